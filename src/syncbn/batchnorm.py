@@ -1,0 +1,105 @@
+"""``syncbn.SyncBatchNorm``: the module form of :func:`syncbn.functional.sync_batch_norm`."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import distributed
+from .functional import check_input, sync_batch_norm
+
+__all__ = ["SyncBatchNorm"]
+
+# torch.nn's batch norms take a keyword-only ``bias`` in recent releases only
+_BIAS_KEYWORD = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch normalization over the union of all ranks' batches, for inputs of any rank.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    In training, with ``torch.distributed`` initialized and a process group of W > 1
+    ranks, the mean and the biased variance of each channel are taken over every element
+    of that channel on all W ranks, weighted by element counts (so uneven and empty local
+    batches are exact), with one all-reduce of ``2C + 1`` values; the backward pass adds
+    the cross-rank terms with one all-reduce of ``2C`` values. ``weight`` and ``bias``
+    gradients are the local sums, which the data-parallel wrapper averages.
+
+    The running buffers are updated with the global statistics (variance unbiased by the
+    global count), so they stay identical on every rank. ``momentum=None`` keeps a
+    cumulative average over ``num_batches_tracked``.
+
+    Eval mode never communicates: it uses the running statistics, or, with
+    ``track_running_stats=False``, the local batch statistics (as
+    ``torch.nn.SyncBatchNorm`` does), so evaluating on one rank alone never hangs. Not
+    distributed, or in a group of one, the module is exactly ``torch.nn.BatchNorm*d``.
+
+    Args: those of ``torch.nn.SyncBatchNorm``; ``process_group`` None means the default
+    group. Shapes: input (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the
+    same shape and memory format. The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        extra = {"bias": bias} if _BIAS_KEYWORD else {}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
+        if affine and not bias and not _BIAS_KEYWORD:  # torch before the keyword: drop it here
+            self.register_parameter("bias", None)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        check_input(input, self.num_features, type(self).__name__)
+
+    def _momentum(self, syncing: bool):
+        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``."""
+        if not (self.training and self.track_running_stats):
+            return 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        if self.momentum is not None:
+            return self.momentum
+        if self.num_batches_tracked is None:
+            return 0.0
+        if syncing:  # a tensor: the cumulative average without a host read
+            return 1.0 / self.num_batches_tracked.to(torch.float64)
+        return 1.0 / float(self.num_batches_tracked)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        # Only a module in training mode communicates; eval with batch statistics stays local.
+        syncing = bn_training and self.training and distributed.group_size(self.process_group) > 1
+        momentum = self._momentum(syncing)
+        track = not bn_training or self.track_running_stats
+        running_mean = self.running_mean if track else None
+        running_var = self.running_var if track else None
+        if not syncing:
+            return F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, bn_training, momentum, self.eps
+            )
+        return sync_batch_norm(
+            input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps, self.process_group
+        )
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.process_group is not None:
+            text += ", process_group=custom"
+        return text

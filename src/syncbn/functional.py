@@ -1,0 +1,154 @@
+"""Synchronized batch normalization as a function, in the style of
+``torch.nn.functional.batch_norm``.
+
+Training across a process group of W > 1 ranks, per channel c:
+
+    mu    = sum over all ranks of x / N
+    var   = sum over all ranks of (x - mu)^2 / N          (biased)
+    y     = (x - mu) / sqrt(var + eps) * weight + bias
+
+with N the global element count of the channel. The backward pass sums
+``dy`` and ``dy * xhat`` over all ranks, so the input gradient is the one a single
+device would compute on the concatenated batch; the weight and bias gradients stay
+local sums, to be averaged by the data-parallel wrapper.
+
+One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
+the input needs no gradient), whatever the world size. Not distributed, a group of
+one, or not training: exactly ``torch.nn.functional.batch_norm``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import distributed, stats
+
+__all__ = ["sync_batch_norm", "check_input"]
+
+
+def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_batch_norm") -> None:
+    """Raise a clear error for an input no batch norm can take.
+
+    These depend only on the layer and the input's shape and dtype, so every rank that
+    runs the same model raises the same error before any collective is issued.
+    """
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor input, got {type(input).__name__}")
+    if input.dim() < 2 or input.dim() > 5:
+        raise ValueError(
+            f"{name}: expected a 2D to 5D input of shape (N, C, *), got {input.dim()}D input "
+            f"of shape {tuple(input.shape)}"
+        )
+    if num_features is not None and input.shape[1] != num_features:
+        raise ValueError(
+            f"{name}: expected {num_features} channels in dim 1 (num_features), got input "
+            f"of shape {tuple(input.shape)} with {input.shape[1]} channels"
+        )
+    if not input.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
+
+
+def _memory_format(x: Tensor):
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Forward and backward of the synchronized layer; one all-reduce each way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        channels = x.shape[1]
+        n = x.numel() // channels if channels else 0
+        packed = stats.pack_moments(x, stats.accumulate_dtype(x.device))
+        packed = distributed.all_reduce_sum(packed, group)
+        count, mean, var = stats.merge_moments(packed, channels)
+
+        # Only a rank that holds at most one element per channel can live in a group
+        # whose global count is <= 1; ranks with more know the count is fine. So the
+        # ranks that read the count are exactly the ranks that may have to raise, and
+        # when the count is too small they all read it and all raise.
+        if n <= 1 and int(count.item()) <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training across the process "
+                f"group, got {int(count.item())} value(s) per channel in total "
+                f"(local input shape {tuple(x.shape)})"
+            )
+
+        if running_mean is not None or running_var is not None:
+            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
+
+        cdtype = stats.compute_dtype(x.dtype)
+        mean_c = mean.to(cdtype)
+        var_c = var.to(cdtype)
+        invstd = torch.rsqrt(var_c + eps)
+        y = F.batch_norm(x, mean_c, var_c, weight, bias, False, 0.0, eps)
+
+        ctx.save_for_backward(x, weight, mean_c, invstd, count)
+        ctx.group = group
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy = dy.contiguous(memory_format=_memory_format(x))
+        sum_dy, sum_dy_xhat = stats.backward_sums(dy, x, mean, invstd)
+
+        dx = None
+        if need_x:
+            channels = x.shape[1]
+            packed = torch.cat([sum_dy, sum_dy_xhat])
+            packed = distributed.all_reduce_sum(packed, ctx.group)
+            global_dy, global_dy_xhat = packed[:channels], packed[channels:]
+            if x.numel() == 0:
+                dx = torch.zeros_like(x)
+            else:
+                dx = stats.input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
+        dw = sum_dy_xhat.to(weight.dtype) if need_w else None
+        db = sum_dy.to(ctx.bias_dtype) if need_b else None
+        return dx, dw, db, None, None, None, None, None
+
+
+def sync_batch_norm(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    training: bool = False,
+    momentum=0.1,
+    eps: float = 1e-5,
+    process_group=None,
+) -> Tensor:
+    """Batch normalization whose training statistics span every rank of ``process_group``.
+
+    Arguments are those of :func:`torch.nn.functional.batch_norm`, plus the process
+    group (the default group when None). ``momentum`` is the weight of the new batch
+    statistics in the running buffers (``0.1`` like ``torch.nn``); pass
+    ``1 / num_batches_tracked`` for a cumulative average (a 0-d tensor works too and
+    avoids a host read).
+
+    In training with a group of more than one rank, every rank must call this for the
+    same layer in the same order: each call is one all-reduce forward and one backward.
+    An empty local batch is allowed (it still takes part); a global count of at most
+    one element per channel raises ``ValueError`` on every rank.
+    """
+    check_input(input, None if running_mean is None else running_mean.shape[0])
+    if not training or distributed.group_size(process_group) == 1:
+        if isinstance(momentum, Tensor):
+            momentum = float(momentum)
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if eps <= 0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    return _SyncBatchNorm.apply(
+        input, weight, bias, running_mean, running_var, eps, momentum, process_group
+    )

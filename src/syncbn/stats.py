@@ -1,0 +1,128 @@
+"""Per-channel statistics of batch normalization: local moments, their merge, the
+running-buffer update, and the backward formulas. No communication happens here.
+
+Notation (per channel c, see ``shared/DESIGN.md``): rank r holds ``n_r`` elements with
+mean ``m_r`` and ``M2_r = sum (x - m_r)^2``. A rank packs
+
+    [n_r, n_r * m_r, M2_r + n_r * m_r^2]
+
+in float64 (``2C + 1`` values), the ranks sum the packs with one all-reduce, and
+
+    N = sum n_r,   mu = sum n_r m_r / N,   var = sum (M2_r + n_r m_r^2) / N - mu^2.
+
+The local ``M2_r`` comes from a stable (Welford / two-pass) reduction, and the only
+cancellation left is the last subtraction, done in float64: its relative error is about
+``1e-16 * (mu / sigma)^2``, i.e. 1e-10 at ``|mu| / sigma = 1e3``, far below float32
+resolution. Devices without float64 (Apple MPS) fall back to float32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "reduce_dims",
+    "compute_dtype",
+    "accumulate_dtype",
+    "pack_moments",
+    "merge_moments",
+    "update_running_stats",
+    "backward_sums",
+    "input_grad",
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def reduce_dims(ndim: int) -> list:
+    """Dimensions to reduce for an input of ``ndim`` dims laid out as (N, C, *)."""
+    return [0] + list(range(2, ndim))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the statistics used to normalize: float32 for half inputs, else the input's."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def accumulate_dtype(device: torch.device) -> torch.dtype:
+    """Dtype of the packed sums that travel between ranks: float64 where the device has it."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _channel_shape(ndim: int, channels: int) -> list:
+    return [1, channels] + [1] * (ndim - 2)
+
+
+def pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's ``[n, n*m, M2 + n*m^2]`` for every channel, as one flat tensor.
+
+    ``n`` is the same for every channel (the element count per channel); an empty
+    batch packs zeros, so an empty rank still takes part in the reduce.
+    """
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    packed = torch.zeros(2 * channels + 1, dtype=dtype, device=x.device)
+    packed[0] = n
+    if n == 0:
+        return packed
+    xs = x.float() if x.dtype in _HALF else x
+    var, mean = torch.var_mean(xs, dim=reduce_dims(x.dim()), correction=0)
+    mean = mean.to(dtype)
+    m2 = var.to(dtype) * n
+    torch.mul(mean, n, out=packed[1 : channels + 1])
+    torch.addcmul(m2, mean, mean, value=n, out=packed[channels + 1 :])
+    return packed
+
+
+def merge_moments(packed: torch.Tensor, channels: int):
+    """Global ``(count, mean, biased var)`` from the summed packs of every rank.
+
+    ``count`` is a 0-d tensor (kept on the device: no host synchronisation); mean and
+    variance stay in the packed dtype. The variance is clamped at zero, so rounding can
+    never make it negative.
+    """
+    count = packed[0]
+    mean = packed[1 : channels + 1] / count
+    var = (packed[channels + 1 :] / count - mean * mean).clamp_min_(0)
+    return count, mean, var
+
+
+@torch.no_grad()
+def update_running_stats(running_mean, running_var, mean, var, count, momentum) -> None:
+    """EMA update of the running buffers with the global statistics, in place.
+
+    ``momentum`` is the weight of the new value (a float, or a 0-d tensor for the
+    cumulative average); the variance written is unbiased with the global count.
+    """
+    if running_mean is not None:
+        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+    if running_var is not None:
+        unbiased = var * (count / (count - 1))
+        running_var.lerp_(unbiased.to(running_var.dtype), momentum)
+
+
+def backward_sums(dy: torch.Tensor, x: torch.Tensor, mean, invstd):
+    """This rank's ``(sum dy, sum dy * xhat)`` per channel, in the compute dtype."""
+    channels = x.shape[1]
+    cdtype = compute_dtype(x.dtype)
+    if x.numel() == 0:
+        zeros = torch.zeros(channels, dtype=cdtype, device=x.device)
+        return zeros, zeros.clone()
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True]
+    )
+    return sum_dy.to(cdtype), sum_dy_xhat.to(cdtype)
+
+
+def input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count):
+    """``dx = w * invstd * (dy - S1/N - xhat * S2/N)`` with the global sums S1, S2."""
+    shape = _channel_shape(x.dim(), x.shape[1])
+    cdtype = compute_dtype(x.dtype)
+    count = count.to(cdtype)
+    mean_dy = (sum_dy / count).view(shape)
+    # xhat * S2/N = (x - mean) * (invstd * S2/N)
+    k = (sum_dy_xhat / count * invstd).view(shape)
+    scale = invstd if weight is None else invstd * weight.to(cdtype)
+    centered = x.to(cdtype) - mean.view(shape)
+    dx = (dy.to(cdtype) - mean_dy).sub_(centered.mul_(k)).mul_(scale.view(shape))
+    return dx.to(x.dtype)
