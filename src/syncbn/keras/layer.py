@@ -1,0 +1,282 @@
+"""``SyncBatchNormalization``: ``keras.layers.BatchNormalization`` with statistics over
+every replica's batch."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from . import moments, replicas
+
+__all__ = ["SyncBatchNormalization"]
+
+
+@keras.saving.register_keras_serializable(package="syncbn")
+class SyncBatchNormalization(keras.layers.BatchNormalization):
+    r"""Batch normalization whose training statistics span every replica's batch.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
+
+    A drop-in for ``keras.layers.BatchNormalization``: the same constructor arguments
+    (``synchronized`` is accepted and ignored: this layer always synchronizes), the same
+    weights in the same order (``gamma``, ``beta``, ``moving_mean``,
+    ``moving_variance``, then the renorm ones), the same ``get_config`` less
+    ``synchronized``, and the same moving averages (``moving = moving * momentum +
+    batch * (1 - momentum)``, with the biased batch variance, as Keras does). It is a
+    subclass, so code that looks for BatchNormalization layers (to freeze them, say)
+    still finds it.
+
+    In training (``training=True`` and ``trainable``), mean and biased variance are
+    taken per channel over the counted elements of every replica, weighted by element
+    counts: uneven and empty replica batches are exact, and a mask counts per
+    element. Where that needs communication, each call issues exactly one all-reduce of
+    ``2C + 1`` values in forward (float64 sums of the replicas' stable local moments)
+    and one of ``2C`` values in backward, in a custom gradient:
+
+    - TensorFlow: inside a ``tf.distribute`` replica context of more than one replica
+      (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``; ``fit``, custom loops with
+      ``strategy.run``, traced or eager).
+    - PyTorch: with ``torch.distributed`` initialized and more than one rank.
+    - JAX: under ``keras.distribution.DataParallel`` the batch is one sharded array,
+      so the layer's reductions are global already (XLA adds the cross-device sums).
+
+    Everywhere else (no distribution, one replica, cross-replica context) it computes
+    the same local statistics as ``keras.layers.BatchNormalization``. Inference uses the
+    moving statistics through Keras's own op (so a converted model predicts exactly what
+    the original did) and never communicates; training normalizes as
+    ``(x - mean) * s + beta``, which keeps full precision for inputs far from zero.
+    Half-precision inputs are normalized in float32; statistics and moving averages are
+    float32. ``gamma``/``beta`` gradients
+    are this replica's own sums, which the strategy aggregates as for any weight.
+
+    With ``renorm=True`` (batch renormalization), the corrections ``r`` and ``d`` and
+    the renorm moving statistics are computed from the synchronized batch statistics.
+
+    The batch variance never goes negative and has no cancellation error: float32
+    inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
+    reference (Keras's ``synchronized=True`` computes ``E[x^2] - E[x]^2`` in float32).
+
+    Args: those of ``keras.layers.BatchNormalization``; ``axis`` is a single integer,
+    the channel axis (``-1`` for channels_last, ``1`` for channels_first), not the
+    batch axis.
+    """
+
+    def __init__(
+        self,
+        axis=-1,
+        momentum=0.99,
+        epsilon=1e-3,
+        center=True,
+        scale=True,
+        beta_initializer="zeros",
+        gamma_initializer="ones",
+        moving_mean_initializer="zeros",
+        moving_variance_initializer="ones",
+        beta_regularizer=None,
+        gamma_regularizer=None,
+        beta_constraint=None,
+        gamma_constraint=None,
+        renorm=False,
+        renorm_clipping=None,
+        renorm_momentum=0.99,
+        **kwargs,
+    ):
+        kwargs.pop("synchronized", None)
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            try:
+                axis = int(axis)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"{type(self).__name__}: axis must be one integer, the channel axis "
+                    f"(-1 for channels_last, 1 for channels_first), got axis={axis!r}"
+                ) from None
+        super().__init__(
+            axis=axis,
+            momentum=momentum,
+            epsilon=epsilon,
+            center=center,
+            scale=scale,
+            beta_initializer=beta_initializer,
+            gamma_initializer=gamma_initializer,
+            moving_mean_initializer=moving_mean_initializer,
+            moving_variance_initializer=moving_variance_initializer,
+            beta_regularizer=beta_regularizer,
+            gamma_regularizer=gamma_regularizer,
+            beta_constraint=beta_constraint,
+            gamma_constraint=gamma_constraint,
+            renorm=renorm,
+            renorm_clipping=renorm_clipping,
+            renorm_momentum=renorm_momentum,
+            synchronized=False,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ build / config
+
+    def build(self, input_shape):
+        input_shape = tuple(input_shape)
+        rank = len(input_shape)
+        if rank < 2:
+            raise ValueError(
+                f"{self.name}: expected an input with a batch axis and a channel axis "
+                f"(rank >= 2), got shape {input_shape}"
+            )
+        if not -rank <= self.axis < rank:
+            raise ValueError(
+                f"{self.name}: axis={self.axis} is out of range for an input of rank {rank} "
+                f"(shape {input_shape}); the channel axis is -1 for channels_last, 1 for "
+                f"channels_first"
+            )
+        if self.axis % rank == 0:
+            raise ValueError(
+                f"{self.name}: axis={self.axis} is the batch axis of an input of shape "
+                f"{input_shape}; batch normalization needs the channel axis (-1 for "
+                f"channels_last, 1 for channels_first)"
+            )
+        if input_shape[self.axis] is None:
+            raise ValueError(
+                f"{self.name}: the channel axis (axis={self.axis}) of the input must have "
+                f"a known size, got shape {input_shape}"
+            )
+        super().build(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("synchronized", None)
+        return config
+
+    # ------------------------------------------------------------------ forward
+
+    def call(self, inputs, training=None, mask=None):
+        self._check_call_input(inputs, mask)
+        # Half inputs are normalized in float32, float64 ones in float64 (as Keras does).
+        dtype = keras.backend.result_type(inputs.dtype, "float32")
+        x = ops.cast(inputs, dtype)
+        gamma = ops.cast(self.gamma, dtype) if self.scale else None
+        beta = ops.cast(self.beta, dtype) if self.center else None
+
+        if not (training and self.trainable):
+            # Inference: the moving statistics, through the very op Keras's layer uses, so
+            # that a converted model predicts exactly what the original predicted.
+            y = ops.batch_normalization(
+                x,
+                ops.cast(self.moving_mean, dtype),
+                ops.cast(self.moving_variance, dtype),
+                axis=self.axis,
+                offset=beta,
+                scale=gamma,
+                epsilon=self.epsilon,
+            )
+            return ops.cast(y, self.compute_dtype)
+
+        mean, var = self._batch_statistics(x, moments.element_mask(mask, x, self.axis))
+        if self.renorm:
+            gamma, beta = self._renorm_transform(mean, var, gamma, beta, dtype)
+        else:
+            self._update_moving_statistics(mean, var)
+        return ops.cast(self._normalize(x, mean, var, gamma, beta), self.compute_dtype)
+
+    def _check_call_input(self, inputs, mask):
+        """Errors that depend only on shapes and dtypes, so every replica raises alike."""
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+        if "float" not in dtype:
+            raise TypeError(
+                f"{self.name}: expected a floating-point input, got dtype {dtype} "
+                f"(shape {tuple(inputs.shape)}); cast it first, e.g. "
+                f"keras.ops.cast(x, 'float32')"
+            )
+        rank = len(inputs.shape)
+        channels = self.moving_mean.shape[0]
+        spec = self.input_spec
+        if spec is not None and spec.ndim is not None and rank != spec.ndim:
+            raise ValueError(
+                f"{self.name}: was built for inputs of rank {spec.ndim}, got an "
+                f"input of shape {tuple(inputs.shape)}"
+            )
+        if inputs.shape[self.axis] is not None and inputs.shape[self.axis] != channels:
+            raise ValueError(
+                f"{self.name}: was built for {channels} channels on axis {self.axis}, got "
+                f"an input of shape {tuple(inputs.shape)} with {inputs.shape[self.axis]}"
+            )
+        if mask is not None and len(mask.shape) != rank - 1:
+            raise ValueError(
+                f"{self.name}: the mask must have the input's shape without the channel "
+                f"axis (one dimension less), got mask shape {tuple(mask.shape)} for "
+                f"input shape {tuple(inputs.shape)}"
+            )
+
+    def _batch_statistics(self, x, mask):
+        """Per-channel ``(mean, biased var)`` of this training batch, over every replica
+        where a distribution is active; one all-reduce each way when it needs one."""
+        # The moving mean is the same on every replica: the shift for the packed sums.
+        shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
+        backend = keras.backend.backend()
+        if backend == "tensorflow":
+            ctx = replicas.tf_replica_context()
+            if ctx is not None:
+                return replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
+        elif backend == "torch":
+            if replicas.torch_world_size() > 1:
+                return replicas.torch_sync_moments(x, self.axis, mask, shift)
+        return moments.batch_moments(x, self.axis, mask)
+
+    def _normalize(self, x, mean, var, gamma, beta):
+        """``(x - mean) * (gamma / sqrt(var + eps)) + beta``, subtracting the mean first
+        so that an input far from zero loses no precision (Keras's op computes
+        ``x * s + (beta - mean * s)``, whose rounding error grows with ``|mean| / std``)."""
+        shape = moments.broadcast_shape(len(x.shape), self.axis, mean.shape[0])
+        scale = ops.rsqrt(var + self.epsilon)
+        if gamma is not None:
+            scale = scale * gamma
+        y = (x - ops.reshape(mean, shape)) * ops.reshape(scale, shape)
+        if beta is not None:
+            y = y + ops.reshape(beta, shape)
+        return y
+
+    def _update_moving_statistics(self, mean, var):
+        m = self.momentum
+        moving_mean = ops.cast(self.moving_mean, mean.dtype)
+        moving_var = ops.cast(self.moving_variance, var.dtype)
+        self.moving_mean.assign(moving_mean * m + mean * (1.0 - m))
+        self.moving_variance.assign(moving_var * m + var * (1.0 - m))
+
+    def _renorm_transform(self, mean, var, gamma, beta, dtype):
+        """Batch renormalization (Ioffe 2017) on the synchronized statistics, with Keras's
+        conventions: returns the effective ``(gamma, beta)`` and updates the moving and
+        renorm statistics.
+
+        ``r = std / renorm_std`` and ``d = (mean - renorm_mean) / renorm_std`` (the renorm
+        std floored at ``sqrt(eps)``), clipped by ``renorm_clipping``, without gradient;
+        ``y = (xhat * r + d) * gamma + beta``. The moving std is tracked and the moving
+        variance derived from it.
+        """
+        std = ops.sqrt(var + self.epsilon)
+        renorm_mean = ops.cast(self.renorm_mean, dtype)
+        renorm_std = ops.cast(self.renorm_stddev, dtype)
+        floor = ops.maximum(renorm_std, ops.sqrt(ops.cast(self.epsilon, dtype)))
+        r = std / floor
+        d = (mean - renorm_mean) / floor
+        clipping = self.renorm_clipping or {}
+        if clipping.get("rmin") is not None:
+            r = ops.maximum(r, clipping["rmin"])
+        if clipping.get("rmax") is not None:
+            r = ops.minimum(r, clipping["rmax"])
+        if clipping.get("dmax") is not None:
+            d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
+        r = ops.stop_gradient(r)
+        d = ops.stop_gradient(d)
+
+        rm, m = self.renorm_momentum, self.momentum
+        self.renorm_mean.assign(renorm_mean * rm + mean * (1.0 - rm))
+        self.renorm_stddev.assign(renorm_std * rm + std * (1.0 - rm))
+        self.moving_mean.assign(ops.cast(self.moving_mean, dtype) * m + mean * (1.0 - m))
+        moving_std = ops.cast(self.moving_stddev, dtype) * m + std * (1.0 - m)
+        self.moving_stddev.assign(moving_std)
+        self.moving_variance.assign(ops.relu(moving_std * moving_std - self.epsilon))
+
+        new_gamma = r if gamma is None else r * gamma
+        new_beta = d if gamma is None else d * gamma
+        if beta is not None:
+            new_beta = new_beta + beta
+        return new_gamma, new_beta

@@ -1,0 +1,151 @@
+"""Which replicas a layer call synchronizes with, and the synchronized moments with
+exactly one collective forward and one backward, per Keras backend.
+
+- TensorFlow: inside a ``tf.distribute`` replica context with more than one replica
+  (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``, in ``fit``, in
+  ``strategy.run``, traced or eager), summed with ``ReplicaContext.all_reduce`` under a
+  ``tf.custom_gradient``.
+- PyTorch: with ``torch.distributed`` initialized and more than one rank in the default
+  group, summed with :func:`syncbn.distributed.all_reduce_sum` (the library's one module
+  that talks to ``torch.distributed``) under a ``torch.autograd.Function``. torch is
+  imported only on this backend.
+- JAX: nothing to do here. Under ``keras.distribution.DataParallel`` the layer sees the
+  global batch as one sharded array and XLA inserts the cross-device sums itself.
+
+Forward: every replica packs its local moments (:func:`syncbn.keras.moments.pack`,
+``2C + 1`` values), one all-reduce sums the packs, every replica merges them alike.
+Backward, given the upstream gradients ``g_mean`` and ``g_var`` of the two outputs,
+one all-reduce of ``2C`` values sums them over the replicas (each replica's loss
+depends on the shared statistics), and with ``w`` the 0/1 mask of counted elements:
+
+    dx = w * (G_mean + 2 * G_var * (x - mean)) / N.
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+from . import moments
+
+__all__ = ["tf_replica_context", "tf_sum_dtype", "tf_sync_moments", "torch_world_size", "torch_sync_moments"]
+
+
+def _input_grad(x, axis, mask, mean, count, g_mean, g_var):
+    """``dx`` of ``(mean, var)`` with the globally summed upstream gradients."""
+    shape = moments.broadcast_shape(len(x.shape), axis, mean.shape[0])
+    inv_n = ops.cast(1.0 / ops.maximum(count, 1.0), x.dtype)
+    g_mean = ops.reshape(g_mean, shape)
+    g_var = ops.reshape(g_var, shape)
+    dx = (g_mean + 2.0 * g_var * (x - ops.reshape(mean, shape))) * inv_n
+    if mask is not None:
+        dx = ops.where(mask, dx, ops.zeros_like(dx))
+    return dx
+
+
+def _forward(x, axis, mask, shift, dtype, all_reduce):
+    """Local moments, one all-reduce of the pack, the merge; returns (count, mean, var)
+    with count in ``dtype`` and mean / var in ``x``'s dtype."""
+    count = moments.element_count(x, axis, mask, dtype)
+    mean, m2 = moments.local_moments(x, axis, mask, ops.cast(count, x.dtype))
+    total = all_reduce(moments.pack(count, mean, m2, shift, dtype))
+    count, mean, var = moments.merge(total, shift)
+    return count, ops.cast(mean, x.dtype), ops.cast(var, x.dtype)
+
+
+# --------------------------------------------------------------------------- TensorFlow
+
+
+def tf_replica_context():
+    """The current ``tf.distribute`` replica context when it spans more than one replica,
+    else None (no strategy, one replica, or cross-replica context)."""
+    import tensorflow as tf
+
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync <= 1:
+        return None
+    return ctx
+
+
+def tf_sum_dtype(ctx):
+    """float64 for the packed sums, except on TPU, whose all-reduce has no float64:
+    there the sums are float32 around the shared shift (see ``moments``)."""
+    strategy = ctx.strategy
+    return "float32" if "TPU" in type(strategy).__name__ else "float64"
+
+
+def tf_sync_moments(x, axis, mask, shift, ctx):
+    """Global ``(mean, biased var)`` over every replica of ``ctx``, differentiable, with
+    one all-reduce in forward and one in backward."""
+    import tensorflow as tf
+
+    dtype = tf_sum_dtype(ctx)
+
+    def all_reduce(value):
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    @tf.custom_gradient
+    def sync_moments(x):
+        count, mean, var = _forward(x, axis, mask, shift, dtype, all_reduce)
+
+        def grad(g_mean, g_var):
+            g_mean = tf.zeros_like(mean) if g_mean is None else g_mean
+            g_var = tf.zeros_like(var) if g_var is None else g_var
+            summed = all_reduce(tf.concat([g_mean, g_var], axis=0))
+            channels = mean.shape[0]
+            return _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
+
+        return (mean, var), grad
+
+    return sync_moments(x)
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+
+def torch_world_size():
+    """Ranks in torch's default process group; 1 when not distributed."""
+    from syncbn import distributed
+
+    return distributed.group_size()
+
+
+def torch_sync_moments(x, axis, mask, shift):
+    """Global ``(mean, biased var)`` over every rank of the default process group,
+    differentiable, with one all-reduce in forward and one in backward."""
+    return _torch_function().apply(x, axis, mask, shift)
+
+
+_TORCH_FUNCTION = None
+
+
+def _torch_function():
+    """The ``torch.autograd.Function``, defined on first use so that no other backend
+    ever imports torch."""
+    global _TORCH_FUNCTION
+    if _TORCH_FUNCTION is not None:
+        return _TORCH_FUNCTION
+
+    import torch
+
+    from syncbn import distributed, stats
+
+    class SyncMoments(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, axis, mask, shift):
+            dtype = str(stats.accumulate_dtype(x.device)).replace("torch.", "")
+            count, mean, var = _forward(x, axis, mask, shift, dtype, distributed.all_reduce_sum)
+            ctx.save_for_backward(x, mean, count)
+            ctx.axis, ctx.mask = axis, mask
+            return mean, var
+
+        @staticmethod
+        def backward(ctx, g_mean, g_var):
+            x, mean, count = ctx.saved_tensors
+            summed = distributed.all_reduce_sum(torch.cat([g_mean, g_var]))
+            channels = mean.shape[0]
+            dx = _input_grad(x, ctx.axis, ctx.mask, mean, count, summed[:channels], summed[channels:])
+            return dx, None, None, None
+
+    _TORCH_FUNCTION = SyncMoments
+    return SyncMoments
+
