@@ -1,0 +1,154 @@
+"""Running the Keras checks in their own processes.
+
+Keras picks its backend at import and TensorFlow fixes its logical devices when it
+initializes, so every backend / device configuration runs in a fresh Python process:
+a worker script (``keras_*_checks.py``) runs a list of named checks and writes one JSON
+file of results; the pytest side starts it with a bounded timeout and asserts each
+check. Nothing here imports a deep-learning framework.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class _TorchBlocker:
+    """A meta-path finder that refuses to import torch (as if it were not installed)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"import of {name!r} blocked: this process must run without torch")
+        return None
+
+
+def block_torch():
+    """Make ``import torch`` fail in this process, as in an environment without torch."""
+    sys.meta_path.insert(0, _TorchBlocker())
+
+
+def run_checks(checks, names, out_path):
+    """Run the named checks in order; write ``{name: {ok, info | error}}`` as JSON.
+
+    A check is a function of no arguments that returns a JSON-able dict of figures and
+    raises (AssertionError or otherwise) when something is wrong.
+    """
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            info = checks[name]() or {}
+            results[name] = {"ok": True, "info": info}
+        except BaseException:  # noqa: BLE001 - report every failure, keep going
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)
+        Path(out_path).write_text(json.dumps(results, indent=1, default=float))
+    return results
+
+
+# --------------------------------------------------------------------------- pytest side
+
+
+def free_ports(count):
+    """``count`` distinct free TCP ports on 127.0.0.1."""
+    socks, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def worker_env(backend, **extra):
+    """Environment of a worker process: the Keras backend, quiet TensorFlow logs, no GPU."""
+    env = dict(os.environ)
+    env.update(
+        KERAS_BACKEND=backend,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")])),
+    )
+    env.pop("TF_CONFIG", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start(script, args, env):
+    """Start ``python tests/<script> <args>`` in its own process group."""
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / script), *map(str, args)],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(procs, timeout):
+    """Wait for every process, killing all of them (and their children) on timeout.
+
+    Returns each process's ``(returncode, output)``; a returncode of None means killed
+    after the timeout.
+    """
+    deadline = time.monotonic() + timeout
+    outputs = [None] * len(procs)
+    timed_out = False
+    for i, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs[i] = (proc.returncode, out)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for i, proc in enumerate(procs):
+            if outputs[i] is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                out, _ = proc.communicate()
+                outputs[i] = (None, out)
+    return outputs
+
+
+def run_suite(script, checks, env, timeout, extra_args=()):
+    """Run one worker process over ``checks``; return ``(results, output)``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = Path(tmp) / "results.json"
+        proc = start(script, ["--out", out_path, *extra_args, "--checks", *checks], env)
+        (code, output), = finish([proc], timeout)
+        results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if code is None:
+        output += f"\n[killed after {timeout} s]"
+    return results, output
+
+
+def assert_check(results, output, name):
+    """Fail with the worker's traceback (or its output, if it died) for check ``name``."""
+    result = results.get(name)
+    if result is None:
+        raise AssertionError(f"check {name!r} did not run; worker output:\n{output[-6000:]}")
+    if not result["ok"]:
+        raise AssertionError(f"check {name!r} failed in the worker:\n{result['error']}")
+    return result.get("info", {})

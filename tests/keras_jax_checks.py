@@ -1,0 +1,197 @@
+"""JAX-backend checks of ``syncbn.keras``, in one process with 4 host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4``) and torch blocked.
+
+Under ``keras.distribution.DataParallel`` the batch is one array sharded over the
+devices, so the layer's reductions are global and XLA inserts the cross-device sums.
+These checks verify that rather than assume it: the input really is split over the
+devices, the compiled step really contains all-reduces, and the results equal the
+float64 oracle on the whole batch.
+
+    python tests/keras_jax_checks.py --out R.json --checks NAME...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import numpy as np
+
+from keras_harness import block_torch, run_checks
+import keras_oracle as oracle
+
+DEVICES = 4
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def setup():
+    block_torch()
+    os.environ["KERAS_BACKEND"] = "jax"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+    import jax
+
+    assert len(jax.devices()) >= DEVICES, jax.devices()
+
+
+def data_parallel(devices):
+    import jax
+    import keras
+
+    return keras.distribution.DataParallel(devices=jax.devices()[:devices])
+
+
+@check
+def dataparallel_layer_matches_oracle():
+    """One training call under DataParallel over 2 and 4 devices, with per-device data
+    of different means and a mask that keeps a different number of elements on each
+    device: outputs, input and gamma/beta gradients and moving statistics equal the
+    float64 oracle on the whole batch."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    info = {}
+    for devices in (2, 4):
+        rng = np.random.default_rng(devices)
+        distribution = data_parallel(devices)
+        per_device = 3
+        channels = 3
+        # Each device's slice has its own offset: local statistics would be far off.
+        xs, dys = [], []
+        for d in range(devices):
+            x, dy = oracle.make_inputs(rng, [per_device], (4, channels), channels,
+                                       offset=rng.uniform(-10, 10, channels))
+            xs += x
+            dys += dy
+        masks = [oracle.make_masks(rng, [x], keep=0.25 + 0.2 * d)[0] for d, x in enumerate(xs)]
+        for use_mask in (False, True):
+            with distribution.scope():
+                layer = SyncBatchNormalization(momentum=0.9)
+                layer.build((None, 4, channels))
+                layer.set_weights([rng.uniform(0.5, 2, channels), rng.uniform(-1, 1, channels),
+                                   rng.uniform(-1, 1, channels), rng.uniform(0.5, 2, channels)])
+            initial = [np.asarray(w) for w in layer.get_weights()]
+            layout = distribution.get_data_layout((devices * per_device, 4, channels)).backend_layout
+            x = jax.device_put(np.concatenate(xs), layout)
+            dy = jax.device_put(np.concatenate(dys), layout)
+            mask_layout = distribution.get_data_layout((devices * per_device, 4)).backend_layout
+            mask = jax.device_put(np.concatenate(masks), mask_layout) if use_mask else None
+            assert len(x.sharding.device_set) == devices, x.sharding
+
+            def loss(trainable, x, dy, mask, non_trainable):
+                y, non_trainable = layer.stateless_call(trainable, non_trainable, x, training=True, mask=mask)
+                return jnp.sum(y * dy), (y, non_trainable)
+
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+            args = ([v.value for v in layer.trainable_variables], x, dy, mask,
+                    [v.value for v in layer.non_trainable_variables])
+            hlo = step.lower(*args).compile().as_text()
+            all_reduces = len(re.findall(r"\ball-reduce(?:-start)?\(", hlo))
+            assert all_reduces >= 1, "no cross-device reduction in the compiled step"
+            (_, (y, moving)), (grads, dx) = step(*args)
+
+            ref = oracle.batch_norm(
+                xs, dys, gamma=initial[0], beta=initial[1], momentum=0.9, moving_mean=initial[2],
+                moving_var=initial[3], masks=masks if use_mask else None)
+            np.testing.assert_allclose(np.asarray(y), np.concatenate(ref["y"]), rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(dx), np.concatenate(ref["dx"]), rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(grads[0]), ref["dgamma"], rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(grads[1]), ref["dbeta"], rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(moving[0]), ref["moving_mean"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(moving[1]), ref["moving_var"], rtol=1e-5, atol=1e-6)
+            # Each device alone would have seen very different statistics.
+            local_mean = np.asarray(xs[0], np.float64).reshape(-1, channels).mean(0)
+            assert np.max(np.abs(local_mean - ref["mean"])) > 0.1
+            info[f"{devices} devices{' masked' if use_mask else ''}"] = {
+                "all_reduce_ops_in_compiled_step": all_reduces}
+    return info
+
+
+def small_convnet(seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(6, 3, padding="same")(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3)(x)
+    return keras.Model(inputs, outputs)
+
+
+@check
+def fit_dataparallel_matches_single_device():
+    """model.fit with convert() under DataParallel over 4 devices ends with the weights
+    of the same model trained without distribution on the same batches."""
+    import keras
+
+    from syncbn.keras import convert
+
+    rng = np.random.default_rng(20)
+    # Sorted by offset, so each device's shard of a batch has its own statistics.
+    x = (rng.standard_normal((64, 8, 8, 3)) + np.repeat(np.arange(4.0), 16)[:, None, None, None] * 2)
+    x = x.astype(np.float32)
+    y = rng.integers(0, 3, 64)
+    initial = small_convnet().get_weights()
+
+    def train(distribution):
+        keras.distribution.set_distribution(distribution)
+        try:
+            model = convert(small_convnet())
+            model.set_weights(initial)
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            return [np.asarray(w) for w in model.get_weights()]
+        finally:
+            keras.distribution.set_distribution(None)
+
+    single = train(None)
+    parallel = train(data_parallel(4))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(single, parallel))
+    assert diff < 1e-4, diff
+    return {"steps": 8, "max_weight_difference": diff}
+
+
+@check
+def numerics():
+    """Variance at |mean| / std = 1e3 on the JAX backend (ours; Keras's BN alongside)."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((256, 16, 4)) + 1000.0).astype(np.float32)
+    reference = x.astype(np.float64).reshape(-1, 4).var(0)
+    info = {}
+    for name, cls in (("syncbn", SyncBatchNormalization), ("keras", keras.layers.BatchNormalization)):
+        layer = cls(momentum=0.0)
+        layer(x, training=True)
+        info[name] = oracle.variance_relative_error(np.asarray(layer.moving_variance.value), reference)
+    assert info["syncbn"] <= 1e-5, info
+    return {"variance_relative_error_at_ratio_1e3": info}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
+    args = parser.parse_args()
+    setup()
+    run_checks(CHECKS, args.checks, args.out)
+
+
+if __name__ == "__main__":
+    main()

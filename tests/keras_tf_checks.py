@@ -1,0 +1,809 @@
+"""TensorFlow-backend checks of ``syncbn.keras``, in one process with 4 logical CPU
+devices and torch blocked (the layer must work without it).
+
+Run by ``test_keras_tf.py``:  python tests/keras_tf_checks.py --out R.json --checks NAME...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from keras_harness import block_torch, run_checks
+import keras_oracle as oracle
+
+DEVICES = 4
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def setup():
+    block_torch()
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * DEVICES)
+
+
+# --------------------------------------------------------------------------- helpers
+
+_STRATEGIES = {}
+
+
+def mirrored(replicas):
+    import tensorflow as tf
+
+    if replicas not in _STRATEGIES:
+        # Strategies in one process must not share collective group keys (TensorFlow's
+        # own tests do the same); a real program has one strategy and never needs this.
+        tf.distribute.MirroredStrategy._collective_key_base += 100000
+        _STRATEGIES[replicas] = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    return _STRATEGIES[replicas]
+
+
+def per_replica(strategy, arrays):
+    """A distributed value holding ``arrays[i]`` on replica i (any shapes, even empty)."""
+    import tensorflow as tf
+
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(arrays[ctx.replica_id_in_sync_group])
+    )
+
+
+def local(strategy, value):
+    return [v.numpy() for v in strategy.experimental_local_results(value)]
+
+
+def make_layer(cls, channels, ndim, rng, **kwargs):
+    """A built layer with random gamma/beta and random moving statistics."""
+    layer = cls(**kwargs)
+    shape = [None] * ndim
+    shape[layer.axis] = channels
+    layer.build(tuple(shape))
+    weights = []
+    for w in layer.weights:
+        name = w.path.split("/")[-1]
+        if name in ("gamma", "moving_variance", "moving_stddev", "renorm_stddev"):
+            weights.append(rng.uniform(0.5, 2.0, channels).astype(np.float32))
+        else:
+            weights.append(rng.uniform(-1.0, 1.0, channels).astype(np.float32))
+    layer.set_weights(weights)
+    return layer
+
+
+def named_weights(layer):
+    return {w.path.split("/")[-1]: np.array(w.numpy(), np.float64) for w in layer.weights}
+
+
+def train_step(strategy, layer, xs, dys, masks=None, eager=False):
+    """One training call of ``layer`` on every replica, with gradients of sum(y * dy).
+
+    Returns per-replica ``y``/``dx`` and the replicas' summed gamma/beta gradients.
+    """
+    import tensorflow as tf
+
+    args = [per_replica(strategy, xs), per_replica(strategy, dys)]
+    if masks is not None:
+        args.append(per_replica(strategy, masks))
+
+    def step(x, dy, mask=None):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=mask)
+            wide = tf.float64 if y.dtype == tf.float64 else tf.float32
+            loss = tf.reduce_sum(tf.cast(y, wide) * tf.cast(dy, wide))
+        sources = [x] + [v.value for v in layer.trainable_weights]
+        grads = tape.gradient(loss, sources)
+        return [y] + grads
+
+    run = (lambda *a: strategy.run(step, args=a)) if eager else tf.function(lambda *a: strategy.run(step, args=a))
+    outs = run(*args)
+    result = {"y": local(strategy, outs[0]), "dx": local(strategy, outs[1])}
+    names = [w.path.split("/")[-1] for w in layer.trainable_weights]
+    for name, grad in zip(names, outs[2:]):
+        result["d" + name] = sum(np.asarray(g, np.float64) for g in local(strategy, grad))
+    return result
+
+
+def compare(got, ref, layer, keys=("y", "dx", "dgamma", "dbeta"), rtol=2e-5, atol=2e-5, stats_rtol=1e-5):
+    """Assert ``got`` (and the layer's weights) match the oracle; return the max errors."""
+    errors = {}
+    for key in keys:
+        if key not in got:
+            continue
+        a, b = got[key], ref[key]
+        if isinstance(a, list):
+            for i, (ai, bi) in enumerate(zip(a, b)):
+                assert ai.shape == bi.shape, (key, i, ai.shape, bi.shape)
+                np.testing.assert_allclose(ai, bi, rtol=rtol, atol=atol, err_msg=f"{key}[{i}]")
+            errors[key] = max([float(np.max(np.abs(ai - bi), initial=0)) for ai, bi in zip(a, b)])
+        else:
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=key)
+            errors[key] = float(np.max(np.abs(a - b)))
+    weights = named_weights(layer)
+    for key, name in (("moving_mean", "moving_mean"), ("moving_var", "moving_variance"),
+                      ("renorm_mean", "renorm_mean"), ("renorm_std", "renorm_stddev"),
+                      ("moving_std", "moving_stddev")):
+        if key in ref and name in weights:
+            np.testing.assert_allclose(weights[name], ref[key], rtol=stats_rtol, atol=1e-6, err_msg=name)
+            errors[name] = float(np.max(np.abs(weights[name] - ref[key])))
+    return errors
+
+
+def oracle_for(layer, xs, dys, masks=None, renorm=None):
+    w = named_weights(layer)
+    return oracle.batch_norm(
+        xs, dys, axis=layer.axis, gamma=w.get("gamma"), beta=w.get("beta"), eps=layer.epsilon,
+        momentum=layer.momentum, moving_mean=w["moving_mean"], moving_var=w["moving_variance"],
+        masks=masks, renorm=renorm,
+    )
+
+
+# Input tails per rank (without the batch axis); the channel axis is added at `axis`.
+TAILS = {2: (), 3: (5,), 4: (3, 4), 5: (2, 3, 2)}
+
+
+def input_tail(rank, axis, channels):
+    """The per-sample shape for a rank-``rank`` input with ``channels`` at ``axis``."""
+    tail = list(TAILS[rank])
+    if axis == -1:
+        return tuple(tail + [channels])
+    return tuple([channels] + tail)  # axis == 1
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@check
+def oracle_mirrored():
+    """2, 3 and 4 replicas, uneven and empty batches, ranks 2-5, channels last and first."""
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(1)
+    cases = {2: [5, 3], 3: [4, 0, 7], 4: [1, 6, 0, 3]}
+    errors = {}
+    for replicas, sizes in cases.items():
+        strategy = mirrored(replicas)
+        for rank in (2, 3, 4, 5):
+            axis = -1 if (rank + replicas) % 2 else 1
+            channels = 3
+            xs, dys = oracle.make_inputs(rng, sizes, input_tail(rank, axis, channels), channels, axis)
+            with strategy.scope():
+                layer = make_layer(SyncBatchNormalization, channels, rank, rng, axis=axis, momentum=0.9)
+            ref = oracle_for(layer, xs, dys)
+            got = train_step(strategy, layer, xs, dys)
+            err = compare(got, ref, layer)
+            errors[f"R{replicas}_rank{rank}_axis{axis}"] = max(err.values())
+    return {"max_abs_error": errors}
+
+
+@check
+def oracle_eager():
+    """``strategy.run`` without tf.function (replica threads, eager ops)."""
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(2)
+    strategy = mirrored(3)
+    xs, dys = oracle.make_inputs(rng, [3, 6, 0], (4, 2, 3), 3)
+    with strategy.scope():
+        layer = make_layer(SyncBatchNormalization, 3, 4, rng)
+    ref = oracle_for(layer, xs, dys)
+    return compare(train_step(strategy, layer, xs, dys, eager=True), ref, layer)
+
+
+@check
+def oracle_mask():
+    """Masks count per element: the statistics are those of the kept elements of all
+    replicas together; uneven replicas, channels last and first."""
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(3)
+    strategy = mirrored(3)
+    errors = {}
+    for axis, tail in ((-1, (6, 3)), (1, (3, 2, 4))):
+        xs, dys = oracle.make_inputs(rng, [4, 1, 5], tail, 3, axis)
+        masks = oracle.make_masks(rng, xs, axis)
+        masks[1][:] = False  # a replica that keeps nothing still takes part
+        with strategy.scope():
+            layer = make_layer(SyncBatchNormalization, 3, len(tail) + 1, rng, axis=axis)
+        ref = oracle_for(layer, xs, dys, masks=masks)
+        errors[f"axis{axis}"] = compare(train_step(strategy, layer, xs, dys, masks), ref, layer)
+    return errors
+
+
+@check
+def oracle_renorm():
+    """Batch renormalization from the synchronized statistics, clipped and not."""
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(4)
+    strategy = mirrored(2)
+    errors = {}
+    for clipping in ({}, {"rmin": 0.8, "rmax": 1.25, "dmax": 0.5}):
+        xs, dys = oracle.make_inputs(rng, [6, 3], (5, 3), 3, offset=np.array([0.5, -0.3, 0.2]),
+                                     scale=np.array([0.9, 1.6, 0.6]))
+        with strategy.scope():
+            layer = make_layer(SyncBatchNormalization, 3, 3, rng, renorm=True, renorm_clipping=clipping,
+                               renorm_momentum=0.8, momentum=0.9)
+        w = named_weights(layer)
+        renorm = dict(renorm_mean=w["renorm_mean"], renorm_std=w["renorm_stddev"], moving_std=w["moving_stddev"],
+                      renorm_momentum=0.8, **clipping)
+        ref = oracle_for(layer, xs, dys, renorm=renorm)
+        errors[str(clipping)] = compare(train_step(strategy, layer, xs, dys), ref, layer)
+    return errors
+
+
+@check
+def one_replica_matches_keras():
+    """No strategy, and a one-replica MirroredStrategy: the same outputs, gradients and
+    moving statistics as keras.layers.BatchNormalization (plain, masked, renorm)."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(5)
+    diffs = {}
+    for where in ("no strategy", "1 replica"):
+        strategy = tf.distribute.get_strategy() if where == "no strategy" else mirrored(1)
+        for kind in ("plain", "mask", "renorm"):
+            kwargs = {"renorm": True} if kind == "renorm" else {}
+            xs, dys = oracle.make_inputs(rng, [7], (4, 3), 3)
+            masks = oracle.make_masks(rng, xs) if kind == "mask" else None
+            results, layers = [], []
+            for cls in (keras.layers.BatchNormalization, SyncBatchNormalization):
+                layer_rng = np.random.default_rng(50)
+                with strategy.scope():
+                    layer = make_layer(cls, 3, 3, layer_rng, momentum=0.8, **kwargs)
+                initial = named_weights(layer)
+                if where == "no strategy":
+                    x, dy = tf.constant(xs[0]), tf.constant(dys[0])
+                    with tf.GradientTape() as tape:
+                        tape.watch(x)
+                        y = layer(x, training=True, mask=None if masks is None else tf.constant(masks[0]))
+                        loss = tf.reduce_sum(y * dy)
+                    grads = tape.gradient(loss, [x] + [v.value for v in layer.trainable_weights])
+                    out = {"y": y.numpy(), "dx": grads[0].numpy(), "dgamma": grads[1].numpy(),
+                           "dbeta": grads[2].numpy()}
+                else:
+                    out = train_step(strategy, layer, xs, dys, masks)
+                    out = {k: (v[0] if isinstance(v, list) else v) for k, v in out.items()}
+                out.update(named_weights(layer))
+                results.append(out)
+                layers.append(layer)
+            keras_out, ours = results
+            # Inference with equal weights: bitwise the same outputs.
+            layers[1].set_weights(layers[0].get_weights())
+            inference = [np.asarray(l(tf.constant(xs[0]), training=False)) for l in layers]
+            np.testing.assert_array_equal(inference[1], inference[0])
+            worst = {}
+            for key, value in keras_out.items():
+                np.testing.assert_allclose(ours[key], value, rtol=1e-4, atol=1e-4, err_msg=f"{where} {kind} {key}")
+                worst[key] = float(np.max(np.abs(ours[key] - value)))
+            diffs[f"{where}/{kind}"] = worst
+            if kind != "renorm":  # and ours matches the float64 oracle at the usual tolerance
+                w = named_weights(layer)
+                ref = oracle.batch_norm(xs, dys, gamma=w["gamma"], beta=w["beta"], momentum=0.8,
+                                        moving_mean=initial["moving_mean"], moving_var=initial["moving_variance"],
+                                        masks=masks)
+                for key in ("y", "dx", "dgamma", "dbeta"):
+                    np.testing.assert_allclose(ours[key], ref[key][0] if key in ("y", "dx") else ref[key],
+                                               rtol=2e-5, atol=2e-5, err_msg=f"{where} {kind} {key} vs oracle")
+    return {"max_abs_difference_to_keras": diffs}
+
+
+@check
+def dtypes():
+    """float64, mixed_float16 and mixed_bfloat16 policies: outputs in the compute dtype,
+    statistics and moving averages in float32 for the half policies, matching the
+    oracle on the inputs as the layer sees them (cast to the compute dtype)."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(6)
+    strategy = mirrored(2)
+    info = {}
+    for policy, tol, variables in (("float64", 1e-10, "float64"), ("mixed_float16", 5e-3, "float32"),
+                                   ("mixed_bfloat16", 4e-2, "float32")):
+        keras.config.set_dtype_policy(policy)
+        try:
+            xs, dys = oracle.make_inputs(rng, [5, 3], (4, 3), 3, offset=np.array([3.0, -2.0, 1.0]),
+                                         scale=np.array([1.0, 0.5, 2.0]))
+            with strategy.scope():
+                layer = make_layer(SyncBatchNormalization, 3, 3, rng, momentum=0.5)
+            assert all(w.dtype == variables for w in layer.weights), [w.dtype for w in layer.weights]
+            seen = [np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(x, layer.compute_dtype)), np.float64)
+                    for x in xs]
+            if policy == "float64":
+                dys = [d.astype(np.float64) for d in dys]
+            ref = oracle_for(layer, seen, dys)
+            got = train_step(strategy, layer, [x.astype(layer.compute_dtype) for x in xs]
+                             if policy == "float64" else xs, dys)
+            assert str(got["y"][0].dtype) == layer.compute_dtype, (got["y"][0].dtype, layer.compute_dtype)
+            got["y"] = [np.asarray(y, np.float64) for y in got["y"]]
+            got["dx"] = [np.asarray(d, np.float64) for d in got["dx"]]
+            errors = compare(got, ref, layer, keys=("y", "dgamma", "dbeta"), rtol=tol, atol=tol,
+                             stats_rtol=min(1e-5, tol))
+            errors.update(compare(got, ref, layer, keys=("dx",), rtol=tol, atol=tol * 10,
+                                  stats_rtol=min(1e-5, tol)))
+            info[policy] = errors
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return info
+
+
+@check
+def numerics_vs_keras():
+    """Variance at |mean| / std = 1e3 (and 1e4) against a float64 reference, ours next to
+    Keras's BatchNormalization(synchronized=True), on the same data over 2 replicas."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    strategy = mirrored(2)
+    rng = np.random.default_rng(7)
+    info = {}
+    for label, mean, std in (("ratio 1e3 (mean 1000, std 1)", 1000.0, 1.0),
+                             ("ratio 1e4 (mean 1000, std 0.1)", 1000.0, 0.1)):
+        channels = 4
+        xs = [(rng.standard_normal((n, 16, channels)) * std + mean).astype(np.float32) for n in (96, 160)]
+        dys = [np.ones_like(x) for x in xs]
+        reference = np.concatenate(xs).astype(np.float64).reshape(-1, channels).var(0)
+        row = {}
+        for name, make in (
+            ("syncbn", lambda: SyncBatchNormalization(momentum=0.0)),
+            ("keras_synchronized", lambda: keras.layers.BatchNormalization(momentum=0.0, synchronized=True)),
+        ):
+            with strategy.scope():
+                layer = make()
+                layer.build((None, 16, channels))
+            train_step(strategy, layer, xs, dys)
+            var = layer.moving_variance.numpy()
+            row[name] = {"variance": var.tolist(), "relative_error": oracle.variance_relative_error(var, reference)}
+        row["reference_variance"] = reference.tolist()
+        info[label] = row
+    ours = info["ratio 1e3 (mean 1000, std 1)"]["syncbn"]["relative_error"]
+    assert ours <= 1e-5, f"variance relative error {ours} at ratio 1e3"
+
+    # Constant channels: variance exactly >= 0, never NaN, y = beta.
+    with strategy.scope():
+        layer = SyncBatchNormalization(momentum=0.0)
+        layer.build((None, 3))
+    xs = [np.full((4, 3), 1234.5, np.float32), np.full((2, 3), 1234.5, np.float32)]
+    got = train_step(strategy, layer, xs, [np.ones_like(x) for x in xs])
+    var = layer.moving_variance.numpy()
+    assert np.all(var >= 0) and not np.any(np.isnan(var)), var
+    assert all(np.all(np.isfinite(y)) for y in got["y"] + got["dx"])
+    info["constant_input_variance"] = var.tolist()
+    return info
+
+
+@check
+def float32_sums():
+    """Where float64 sums are unavailable (TPU), the packs are float32 around the moving
+    mean: exact once the moving mean is near the batch mean, not before. Measured here
+    on CPU by forcing float32 sums."""
+    from syncbn.keras import SyncBatchNormalization, replicas
+
+    strategy = mirrored(2)
+    rng = np.random.default_rng(14)
+    xs = [(rng.standard_normal((n, 16, 2)) + 1000.0).astype(np.float32) for n in (64, 96)]
+    reference = np.concatenate(xs).astype(np.float64).reshape(-1, 2).var(0)
+    original = replicas.tf_sum_dtype
+    info = {}
+    try:
+        for sums in ("float64", "float32"):
+            replicas.tf_sum_dtype = lambda ctx, sums=sums: sums
+            for start in (0.0, 999.5):
+                with strategy.scope():
+                    layer = SyncBatchNormalization(momentum=0.0, moving_mean_initializer=keras_constant(start))
+                    layer.build((None, 16, 2))
+                train_step(strategy, layer, xs, [np.ones_like(x) for x in xs])
+                error = oracle.variance_relative_error(layer.moving_variance.numpy(), reference)
+                info[f"{sums} sums, moving mean {start}"] = error
+    finally:
+        replicas.tf_sum_dtype = original
+    assert info["float64 sums, moving mean 0.0"] <= 1e-5, info
+    assert info["float32 sums, moving mean 999.5"] <= 1e-5, info
+    return {"variance_relative_error_at_ratio_1e3": info}
+
+
+def keras_constant(value):
+    import keras
+
+    return keras.initializers.Constant(value)
+
+
+@check
+def collective_counts():
+    """All-reduce calls per replica for one layer call: ours vs Keras synchronized BN."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization
+
+    strategy = mirrored(2)
+    calls = []
+    original = tf.distribute.ReplicaContext.all_reduce
+
+    def counting(self, reduce_op, value, options=None):
+        calls.append(1)
+        return original(self, reduce_op, value, options)
+
+    rng = np.random.default_rng(8)
+    xs, dys = oracle.make_inputs(rng, [4, 3], (5, 3), 3)
+    counts = {}
+    tf.distribute.ReplicaContext.all_reduce = counting
+    try:
+        for name, make in (("syncbn", lambda: SyncBatchNormalization()),
+                           ("keras_synchronized", lambda: keras.layers.BatchNormalization(synchronized=True))):
+            with strategy.scope():
+                layer = make()
+                layer.build((None, 5, 3))
+            X = per_replica(strategy, xs)
+
+            calls.clear()
+            tf.function(lambda x: strategy.run(lambda x: layer(x, training=True), args=(x,)))(X)
+            forward = len(calls) / 2
+            calls.clear()
+            train_step(strategy, layer, xs, dys)
+            both = len(calls) / 2
+            calls.clear()
+            tf.function(lambda x: strategy.run(lambda x: layer(x, training=False), args=(x,)))(X)
+            counts[name] = {"forward": forward, "backward": both - forward, "inference": len(calls) / 2}
+    finally:
+        tf.distribute.ReplicaContext.all_reduce = original
+    assert counts["syncbn"] == {"forward": 1, "backward": 1, "inference": 0}, counts
+    return {"all_reduce_calls_per_replica_per_layer_call": counts}
+
+
+def small_convnet(bn, seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(6, 3, padding="same")(inputs)
+    x = bn()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Conv2D(6, 3, strides=2)(x)
+    x = bn()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3)(x)
+    return keras.Model(inputs, outputs)
+
+
+@check
+def fit_matches_single_device():
+    """model.fit under MirroredStrategy(2) with convert(): the weights after several
+    steps equal those of one device trained on the concatenated batches. The same model
+    with Keras's unsynchronized BN does not (so the check can tell them apart)."""
+    import keras
+
+    from syncbn.keras import convert
+
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((64, 8, 8, 3)) * [1.0, 2.0, 0.5] + [3.0, -1.0, 5.0]).astype(np.float32)
+    y = rng.integers(0, 3, 64)
+    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+
+    def train(strategy, sync):
+        with strategy.scope():
+            model = small_convnet(keras.layers.BatchNormalization)
+            model.set_weights(initial)
+            if sync:
+                model = convert(model)
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    import tensorflow as tf
+
+    single = train(tf.distribute.get_strategy(), sync=False)
+    synced = train(mirrored(2), sync=True)
+    unsynced = train(mirrored(2), sync=False)
+    diff_synced = max(float(np.max(np.abs(a - b))) for a, b in zip(single, synced))
+    diff_unsynced = max(float(np.max(np.abs(a - b))) for a, b in zip(single, unsynced))
+    assert diff_synced < 1e-4, diff_synced
+    assert diff_unsynced > 100 * diff_synced, (diff_unsynced, diff_synced)
+    return {"steps": 8, "max_weight_difference_syncbn": diff_synced,
+            "max_weight_difference_keras_unsynchronized": diff_unsynced}
+
+
+@check
+def bad_input_errors():
+    """Wrong axis, channel mismatch, non-float input, wrong mask: clear errors, raised
+    the same way on every replica (they depend only on shapes and dtypes)."""
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization
+
+    messages = {}
+
+    def expect(exc_type, words, fn):
+        try:
+            fn()
+        except exc_type as err:
+            text = str(err)
+            for word in words:
+                assert word in text, f"{word!r} not in {text!r}"
+            return text
+        raise AssertionError(f"no {exc_type.__name__} raised (expected {words})")
+
+    messages["axis out of range"] = expect(
+        ValueError, ["axis=3", "out of range", "rank 3"], lambda: SyncBatchNormalization(axis=3).build((None, 4, 3)))
+    messages["batch axis"] = expect(
+        ValueError, ["batch axis"], lambda: SyncBatchNormalization(axis=0).build((None, 4, 3)))
+    messages["axis list"] = expect(TypeError, ["one integer"], lambda: SyncBatchNormalization(axis=[1, 2]))
+    messages["unknown channels"] = expect(
+        ValueError, ["known size"], lambda: SyncBatchNormalization().build((None, None)))
+
+    layer = SyncBatchNormalization()
+    layer(tf.zeros((2, 5, 3)), training=True)
+    messages["channel mismatch"] = expect(ValueError, ["3", "4"], lambda: layer(tf.zeros((2, 5, 4)), training=True))
+    messages["non-float"] = expect(
+        TypeError, ["floating-point", "int32"], lambda: layer(tf.zeros((2, 5, 3), tf.int32), training=True))
+    messages["mask rank"] = expect(
+        ValueError, ["mask"], lambda: layer(tf.zeros((2, 5, 3)), training=True, mask=tf.ones((2,), tf.bool)))
+
+    # Inside a 2-replica step the same errors come out (one per replica, all alike).
+    strategy = mirrored(2)
+    with strategy.scope():
+        synced = SyncBatchNormalization()
+        synced.build((None, 3))
+    ints = per_replica(strategy, [np.ones((2, 3), np.int32), np.ones((0, 3), np.int32)])
+    step = tf.function(lambda x: strategy.run(lambda x: synced(x, training=True), args=(x,)))
+    messages["non-float, 2 replicas"] = expect(TypeError, ["floating-point", "int32"], lambda: step(ints))
+    wrong = per_replica(strategy, [np.ones((2, 4), np.float32), np.ones((1, 4), np.float32)])
+    messages["channel mismatch, 2 replicas"] = expect(ValueError, ["3", "4"], lambda: step(wrong))
+    return messages
+
+
+@check
+def config_and_weights():
+    """Constructor arguments, weights (names, shapes, order) and get_config of
+    keras.layers.BatchNormalization; set_weights both ways."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(10)
+    for kwargs in ({}, {"renorm": True, "renorm_clipping": {"rmax": 2.0}, "center": False},
+                   {"axis": 1, "scale": False, "momentum": 0.5, "epsilon": 1e-5}):
+        ours = make_layer(SyncBatchNormalization, 4, 4, rng, **kwargs)
+        theirs = make_layer(keras.layers.BatchNormalization, 4, 4, rng, **kwargs)
+        assert [(w.path.split("/")[-1], tuple(w.shape)) for w in ours.weights] == \
+               [(w.path.split("/")[-1], tuple(w.shape)) for w in theirs.weights]
+        config, keras_config = ours.get_config(), theirs.get_config()
+        assert "synchronized" not in config
+        keras_config.pop("synchronized")
+        keras_config.pop("name"), config.pop("name")
+        assert config == keras_config, (config, keras_config)
+        ours.set_weights(theirs.get_weights())
+        theirs.set_weights([w * 2 for w in ours.get_weights()])
+        ours.set_weights(theirs.get_weights())
+        for a, b in zip(ours.get_weights(), theirs.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        # A keras config (with `synchronized`) builds our layer.
+        SyncBatchNormalization.from_config(theirs.get_config())
+    return {}
+
+
+@check
+def save_load_roundtrip():
+    """A model with the layer saves to .keras and loads back with identical outputs."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(11)
+    inputs = keras.Input((6, 3))
+    x = SyncBatchNormalization(momentum=0.5)(inputs)
+    x = keras.layers.Dense(4)(x)
+    x = SyncBatchNormalization(axis=1, renorm=True, renorm_clipping={"rmax": 3.0, "dmax": 1.0})(x)
+    model = keras.Model(inputs, x)
+    data = rng.standard_normal((8, 6, 3)).astype(np.float32) * 2 + 1
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data, rng.standard_normal((8, 6, 4)).astype(np.float32), epochs=2, verbose=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+    assert [type(l).__name__ for l in loaded.layers] == [type(l).__name__ for l in model.layers]
+    np.testing.assert_array_equal(loaded.predict(data, verbose=0), model.predict(data, verbose=0))
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    return {}
+
+
+def residual_model():
+    """A ResNet-style model: BNs in a custom residual layer (attribute, list, and a
+    Sequential shortcut), a nested Sequential, a nested Functional model (channels_first BN), shared layers."""
+    import keras
+
+    @keras.saving.register_keras_serializable(package="syncbn_tests")
+    class ResidualBlock(keras.layers.Layer):
+        def __init__(self, filters, **kwargs):
+            super().__init__(**kwargs)
+            self.filters = filters
+            self.conv1 = keras.layers.Conv2D(filters, 3, padding="same")
+            self.bn1 = keras.layers.BatchNormalization()
+            self.conv2 = keras.layers.Conv2D(filters, 3, padding="same")
+            self.extra = [keras.layers.BatchNormalization(momentum=0.9)]
+            self.shortcut = keras.Sequential([keras.layers.Conv2D(filters, 1), keras.layers.BatchNormalization()])
+
+        def call(self, x, training=None):
+            h = keras.ops.relu(self.bn1(self.conv1(x), training=training))
+            h = self.extra[0](self.conv2(h), training=training)
+            return keras.ops.relu(h + self.shortcut(x, training=training))
+
+        def get_config(self):
+            return {**super().get_config(), "filters": self.filters}
+
+    inner_seq = keras.Sequential(
+        [keras.layers.Conv2D(8, 1), keras.layers.BatchNormalization(), keras.layers.ReLU()], name="seq")
+    sub_in = keras.Input((4, 4, 8))
+    sub = keras.layers.Permute((3, 1, 2))(sub_in)
+    sub = keras.layers.BatchNormalization(axis=1)(sub)
+    sub = keras.layers.Permute((2, 3, 1))(sub)
+    sub_model = keras.Model(sub_in, sub, name="channels_first_block")
+
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = ResidualBlock(8)(x)
+    x = inner_seq(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = sub_model(x)
+    shared = keras.layers.BatchNormalization(name="shared_bn")
+    x = shared(x)
+    x = shared(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(5)(x)
+    return keras.Model(inputs, outputs), ResidualBlock
+
+
+def all_layers(layer, seen=None):
+    """Every layer reachable from ``layer`` through Keras's layer tracking."""
+    seen = set() if seen is None else seen
+    found = []
+    for sub in layer._flatten_layers(include_self=False, recursive=True):
+        if id(sub) not in seen:
+            seen.add(id(sub))
+            found.append(sub)
+    return found
+
+
+@check
+def convert_resnet_style():
+    """convert() replaces every BatchNormalization (nested models and custom layers),
+    copies the weights, keeps inference outputs, leaves the original untouched."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert
+
+    rng = np.random.default_rng(12)
+    model, _ = residual_model()
+    data = (rng.standard_normal((6, 8, 8, 3)) * 2 + 1).astype(np.float32)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data, rng.standard_normal((6, 5)).astype(np.float32), epochs=2, verbose=0)  # move BN statistics
+    before = [w.copy() for w in model.get_weights()]
+
+    def count(m):
+        layers = all_layers(m)
+        plain = sum(type(l) is keras.layers.BatchNormalization for l in layers)
+        sync = sum(isinstance(l, SyncBatchNormalization) for l in layers)
+        return plain, sync
+
+    plain_before, _ = count(model)
+    converted = convert(model)
+    plain_after, sync_after = count(converted)
+    assert plain_before == 7, plain_before
+    assert (plain_after, sync_after) == (0, plain_before), (plain_after, sync_after)
+    assert count(model) == (plain_before, 0), "the original model changed"
+    expected = model.predict(data, verbose=0)
+    got = converted.predict(data, verbose=0)
+    np.testing.assert_array_equal(got, expected)
+    assert len(converted.get_weights()) == len(before)
+    for a, b in zip(converted.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    # Independent copies: training the converted model leaves the original as it was.
+    converted.compile(optimizer="sgd", loss="mse")
+    converted.fit(data, rng.standard_normal((6, 5)).astype(np.float32), epochs=1, verbose=0)
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+    # A bare layer and a subclassed model.
+    bn = keras.layers.BatchNormalization(axis=1)
+    bn.build((None, 4, 2))
+    sbn = convert(bn)
+    assert isinstance(sbn, SyncBatchNormalization) and sbn.axis == 1
+    for a, b in zip(sbn.get_weights(), bn.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    @keras.saving.register_keras_serializable(package="syncbn_tests")
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(4)
+            self.norm = keras.layers.BatchNormalization()
+
+        def call(self, x, training=None):
+            return self.norm(self.dense(x), training=training)
+
+    net = Net()
+    small = rng.standard_normal((5, 3)).astype(np.float32)
+    net(small, training=True)
+    net_converted = convert(net)
+    assert isinstance(net_converted.norm, SyncBatchNormalization)
+    assert not isinstance(net.norm, SyncBatchNormalization)
+    np.testing.assert_array_equal(net_converted(small), net(small))
+    return {"bn_layers": plain_before}
+
+
+@check
+def custom_loop_example():
+    """The README's custom-training-loop pattern runs and keeps replicas in sync."""
+    import keras
+    import tensorflow as tf
+
+    import syncbn.keras
+
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = syncbn.keras.convert(small_convnet(keras.layers.BatchNormalization))
+        optimizer = keras.optimizers.SGD(0.05)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum")
+
+    global_batch = 16
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((32, 8, 8, 3)) + 2).astype(np.float32)
+    y = rng.integers(0, 3, 32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+
+    @tf.function
+    def train_step(batch):
+        def step(images, labels):
+            with tf.GradientTape() as tape:
+                logits = model(images, training=True)
+                loss = loss_fn(labels, logits) / global_batch
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        losses = strategy.run(step, args=batch)
+        return strategy.reduce("SUM", losses, axis=None)
+
+    losses = [float(train_step(batch)) for batch in dist_dataset]
+    bn = [l for l in model.layers if isinstance(l, syncbn.keras.SyncBatchNormalization)][0]
+    copies = [v.numpy() for v in bn.moving_mean.value.values]
+    np.testing.assert_array_equal(copies[0], copies[1])
+    assert all(np.isfinite(losses))
+    return {"losses": losses}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
+    args = parser.parse_args()
+    setup()
+    run_checks(CHECKS, args.checks, args.out)
+
+
+if __name__ == "__main__":
+    main()
