@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import distributed, stats
 
@@ -89,7 +90,11 @@ class _SyncBatchNorm(torch.autograd.Function):
         mean_c = mean.to(cdtype)
         var_c = var.to(cdtype)
         invstd = torch.rsqrt(var_c + eps)
-        y = F.batch_norm(x, mean_c, var_c, weight, bias, False, 0.0, eps)
+        # the statistics stay in float32 for half inputs: the (C-sized) affine
+        # parameters are brought to their dtype rather than the statistics to half
+        w = None if weight is None else weight.to(cdtype)
+        b = None if bias is None else bias.to(cdtype)
+        y = F.batch_norm(x, mean_c, var_c, w, b, False, 0.0, eps)
 
         ctx.save_for_backward(x, weight, mean_c, invstd, count)
         ctx.group = group
@@ -97,6 +102,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -58,20 +59,23 @@ def _worker_main(rank, world_size, port, backend, timeout_s, threads, tasks, res
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    results.put((rank, "ready", None))
+    results.put(pickle.dumps((rank, "ready", None)))
     while True:
         job = tasks.get()
         if job is None:
             break
         fn, args, kwargs = job
         try:
-            results.put((rank, "ok", fn(*args, **kwargs)))
+            # pickle here, not in the queue's feeder thread, so a value that cannot
+            # travel is reported as this job's error instead of never arriving
+            reply = pickle.dumps((rank, "ok", fn(*args, **kwargs)))
         except BaseException as exc:  # report everything, keep serving
             text = traceback.format_exc()
             try:
-                results.put((rank, "error", (exc, text)))
+                reply = pickle.dumps((rank, "error", (exc, text)))
             except Exception:  # the exception itself would not pickle
-                results.put((rank, "error", (RuntimeError(str(exc)), text)))
+                reply = pickle.dumps((rank, "error", (RuntimeError(str(exc)), text)))
+        results.put(reply)
     dist.destroy_process_group()
 
 
@@ -126,7 +130,7 @@ class WorkerPool:
         while pending:
             left = (deadline - datetime.datetime.now()).total_seconds()
             try:
-                rank, status, value = self._results.get(timeout=max(min(left, 1.0), 0.01))
+                reply = self._results.get(timeout=max(min(left, 1.0), 0.01))
             except queue.Empty:
                 dead = [r for r in pending if not self._procs[r].is_alive()]
                 if dead or left <= 0:
@@ -139,6 +143,7 @@ class WorkerPool:
                         raise WorkerError(errors)
                     raise TimeoutError(message)
                 continue
+            rank, status, value = pickle.loads(reply)
             pending.discard(rank)
             if status == "error":
                 errors[rank] = value

@@ -1,0 +1,234 @@
+"""The test oracle: plain float64 batch norm on the concatenation of every rank's input,
+with the concatenation of their output gradients (see shared/DESIGN.md).
+
+A :class:`Case` describes one distributed run; :func:`make_data` draws its data
+(identically in the test process and in every worker), :func:`run_case` runs it on one
+rank of the worker pool, and :func:`check_case` compares the ranks' results with the
+oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import syncbn
+from workers import group_of, in_group
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# relative tolerance (to the largest reference value) of outputs and gradients per input dtype
+TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 4e-2, "float16": 8e-3}
+# statistics accumulate in at least float32 whatever the input dtype
+BUFFER_TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-5, "float16": 1e-5}
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    sizes: tuple  # local batch size of each rank (0 allowed)
+    tail: tuple = (5, 4)  # dims after (N, C)
+    channels: int = 3
+    dtype: str = "float32"
+    param_dtype: Optional[str] = None  # dtype of weights and buffers; None: the input's
+    channels_last: bool = False
+    affine: bool = True
+    bias: bool = True
+    momentum: Optional[float] = 0.1
+    track: bool = True
+    steps: int = 3
+    eps: float = 1e-5
+    seed: int = 0
+    eval_size: int = 2
+    input_grad: bool = True
+    tags: tuple = field(default=(), compare=False)
+
+    @property
+    def ndim(self):
+        return 2 + len(self.tail)
+
+
+def make_data(case: Case):
+    """Inputs with a non-zero per-channel mean, output gradients, weights: all float64,
+    already rounded through the case's dtype so the oracle sees exactly what ranks see."""
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    dtype = DTYPES[case.dtype]
+    c = case.channels
+    shape_c = [1, c] + [1] * len(case.tail)
+    center = (torch.rand(c, generator=gen, dtype=torch.float64) * 8 - 4).view(shape_c)
+    spread = (torch.rand(c, generator=gen, dtype=torch.float64) * 1.5 + 0.5).view(shape_c)
+
+    def draw(n, with_center=True):
+        x = torch.randn((n, c) + tuple(case.tail), generator=gen, dtype=torch.float64)
+        if with_center:
+            x = x * spread + center
+        return x.to(dtype).to(torch.float64)
+
+    steps = []
+    for _ in range(case.steps):
+        xs = [draw(n) for n in case.sizes]
+        dys = [draw(n, with_center=False) for n in case.sizes]
+        steps.append((xs, dys))
+    eval_xs = [draw(case.eval_size) for _ in case.sizes]
+    pdtype = DTYPES[case.param_dtype or case.dtype]
+    weight = (torch.rand(c, generator=gen, dtype=torch.float64) + 0.5).to(pdtype).to(torch.float64)
+    bias = torch.randn(c, generator=gen, dtype=torch.float64).to(pdtype).to(torch.float64)
+    return {"steps": steps, "eval": eval_xs, "weight": weight, "bias": bias}
+
+
+def _memory_format(case: Case):
+    if case.channels_last and case.ndim == 4:
+        return torch.channels_last
+    if case.channels_last and case.ndim == 5:
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def build_module(case: Case, data, group):
+    module = syncbn.SyncBatchNorm(
+        case.channels,
+        eps=case.eps,
+        momentum=case.momentum,
+        affine=case.affine,
+        track_running_stats=case.track,
+        process_group=group,
+        bias=case.bias,
+    )
+    module = module.to(DTYPES[case.param_dtype or case.dtype])
+    with torch.no_grad():
+        if module.weight is not None:
+            module.weight.copy_(data["weight"])
+        if module.bias is not None:
+            module.bias.copy_(data["bias"])
+    return module
+
+
+def run_case(case: Case):
+    """Worker job: run the case on this rank; returns its outputs, gradients and buffers."""
+    group = group_of(case.world)
+    if not in_group(case.world):
+        return None
+    rank = torch.distributed.get_rank()
+    data = make_data(case)
+    dtype = DTYPES[case.dtype]
+    fmt = _memory_format(case)
+    module = build_module(case, data, group)
+    result = {"steps": [], "formats_kept": True}
+    for xs, dys in data["steps"]:
+        x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(case.input_grad)
+        y = module(x)
+        if fmt is not torch.contiguous_format and x.numel():
+            result["formats_kept"] &= y.is_contiguous(memory_format=fmt)
+        y.backward(dys[rank].to(dtype))  # contiguous dy, whatever x's format
+        step = {"y": y.detach().double(), "dx": None if x.grad is None else x.grad.detach().double()}
+        if case.input_grad and x.numel() and fmt is not torch.contiguous_format:
+            result["formats_kept"] &= x.grad.is_contiguous(memory_format=fmt)
+        for name in ("weight", "bias"):
+            p = getattr(module, name)
+            step["d" + name] = None if p is None else p.grad.detach().double().clone()
+            if p is not None:
+                p.grad = None
+        step["dtype_ok"] = y.dtype == dtype
+        result["steps"].append(step)
+    result["buffers"] = {
+        name: None if buf is None else buf.detach().double().clone() for name, buf in module.named_buffers()
+    }
+    result["buffer_dtypes"] = {name: buf.dtype for name, buf in module.named_buffers()}
+    module.eval()
+    result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
+    return result
+
+
+def oracle(case: Case):
+    """What one device computes on the concatenated batch, in float64."""
+    data = make_data(case)
+    c = case.channels
+    track = case.track
+    running_mean = torch.zeros(c, dtype=torch.float64) if track else None
+    running_var = torch.ones(c, dtype=torch.float64) if track else None
+    weight = data["weight"] if case.affine else None
+    bias = data["bias"] if case.affine and case.bias else None
+    steps = []
+    for i, (xs, dys) in enumerate(data["steps"]):
+        x = torch.cat(xs).requires_grad_()
+        w = None if weight is None else weight.clone().requires_grad_()
+        b = None if bias is None else bias.clone().requires_grad_()
+        momentum = case.momentum if case.momentum is not None else 1.0 / (i + 1)
+        y = F.batch_norm(x, running_mean, running_var, w, b, True, momentum, case.eps)
+        y.backward(torch.cat(dys))
+        steps.append(
+            {
+                "y": y.detach(),
+                "dx": x.grad,
+                "dweight": None if w is None else w.grad,
+                "dbias": None if b is None else b.grad,
+            }
+        )
+    if track:
+        evals = [F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, case.eps) for x in data["eval"]]
+    else:  # eval without running statistics: each rank's own batch, no communication
+        evals = [F.batch_norm(x, None, None, weight, bias, True, 0.0, case.eps) for x in data["eval"]]
+    buffers = {}
+    if track:
+        buffers = {
+            "running_mean": running_mean,
+            "running_var": running_var,
+            "num_batches_tracked": torch.tensor(float(case.steps), dtype=torch.float64),
+        }
+    return {"steps": steps, "eval": evals, "buffers": buffers}
+
+
+def max_rel_err(actual, expected) -> float:
+    scale = max(float(expected.abs().max()), 1.0) if expected.numel() else 1.0
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if expected.numel() == 0:
+        return 0.0
+    return float((actual - expected).abs().max()) / scale
+
+
+def check_case(case: Case, results) -> dict:
+    """Compare the ranks' results to the oracle; returns the largest errors seen."""
+    ref = oracle(case)
+    ranks = results[: case.world]
+    tol = TOL[case.dtype]
+    btol = max(BUFFER_TOL[case.dtype], TOL[case.param_dtype or case.dtype] / 4)
+    worst = {"y": 0.0, "dx": 0.0, "dparam": 0.0, "buffers": 0.0, "eval": 0.0}
+    for r in ranks:
+        assert r["formats_kept"], "memory format not preserved"
+    for i, expect in enumerate(ref["steps"]):
+        got = [r["steps"][i] for r in ranks]
+        assert all(g["dtype_ok"] for g in got), "output dtype differs from the input dtype"
+        worst["y"] = max(worst["y"], max_rel_err(torch.cat([g["y"] for g in got]), expect["y"]))
+        if case.input_grad:
+            worst["dx"] = max(worst["dx"], max_rel_err(torch.cat([g["dx"] for g in got]), expect["dx"]))
+        else:
+            assert all(g["dx"] is None for g in got)
+        for name in ("dweight", "dbias"):
+            if expect[name] is None:
+                assert all(g[name] is None for g in got), f"{name} should be absent"
+                continue
+            total = sum(g[name] for g in got)
+            worst["dparam"] = max(worst["dparam"], max_rel_err(total, expect[name]))
+    pdtype = DTYPES[case.param_dtype or case.dtype]
+    for name, value in ref["buffers"].items():
+        for r in ranks:
+            worst["buffers"] = max(worst["buffers"], max_rel_err(r["buffers"][name], value))
+            assert torch.equal(r["buffers"][name], ranks[0]["buffers"][name]), f"{name} differs across ranks"
+            if name != "num_batches_tracked":
+                assert r["buffer_dtypes"][name] == pdtype, "buffers must keep the module's dtype"
+    for r, expect in zip(ranks, ref["eval"]):
+        worst["eval"] = max(worst["eval"], max_rel_err(r["eval"], expect))
+    for key, err in worst.items():
+        limit = btol if key == "buffers" else tol
+        # an eval pass through half precision rounds its output like any other output
+        assert err <= limit, f"{key}: relative error {err:.3g} > {limit:.3g} for {case}"
+    return worst

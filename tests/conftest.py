@@ -1,0 +1,38 @@
+"""Shared fixtures: one pool of gloo worker processes for the whole session.
+
+The pool has 4 ranks; jobs that need a smaller world use the process groups of ranks
+[0, .., W-1] made by ``tests/workers.py``, so W = 1..4 all run on the same processes.
+"""
+
+import pytest
+
+from syncbn.launch import WorkerPool
+
+POOL_SIZE = 4
+
+
+class _Pools:
+    def __init__(self):
+        self._pool = None
+
+    def get(self) -> WorkerPool:
+        if self._pool is None or not self._pool.alive:  # a failed test may have shut it down
+            self._pool = WorkerPool(POOL_SIZE, backend="gloo", timeout=60)
+        return self._pool
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.close()
+
+
+@pytest.fixture(scope="session")
+def _pools():
+    pools = _Pools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture
+def pool(_pools) -> WorkerPool:
+    """The session's 4-rank gloo worker pool (restarted if a test broke it)."""
+    return _pools.get()

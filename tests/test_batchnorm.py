@@ -1,0 +1,211 @@
+"""syncbn.SyncBatchNorm against the float64 oracle on real gloo processes, and its
+module contract (constructor, state_dict, equality with torch.nn.BatchNorm*d)."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import syncbn
+from bn_oracle import Case, check_case, run_case
+
+DTYPE_NAMES = ["float32", "float64", "bfloat16", "float16"]
+
+
+def _grid():
+    """Every world size x input rank x dtype, with the other options cycled through."""
+    rng = random.Random(7)
+    cycle = itertools.count()
+    cases = []
+    for world, ndim, dtype in itertools.product([1, 2, 3, 4], [2, 3, 4, 5], DTYPE_NAMES):
+        i = next(cycle)
+        tail = {2: (), 3: (7,), 4: (5, 4), 5: (3, 4, 2)}[ndim]
+        sizes = [rng.randint(0, 4) for _ in range(world)]
+        if world > 1 and i % 2 == 0:
+            sizes[rng.randrange(world)] = 0  # an empty rank
+        # at least 4 values per channel: with 2 or 3 the float32 gradient is ill-conditioned
+        # (x-hat is +-1 and dx cancels to ~0) for torch.nn itself, not a test of syncbn
+        span = 1
+        for d in tail:
+            span *= d
+        while sum(sizes) * span < 4:
+            sizes[-1] += 1
+        half = dtype in ("bfloat16", "float16")
+        cases.append(
+            Case(
+                world=world,
+                sizes=tuple(sizes),
+                tail=tail,
+                channels=[3, 5, 1, 8][i % 4],
+                dtype=dtype,
+                param_dtype=("float32" if i % 3 else None) if half else None,
+                channels_last=ndim >= 4 and i % 2 == 1,
+                affine=i % 5 != 0,
+                bias=i % 7 != 3,
+                momentum=None if i % 3 == 0 else [0.1, 0.5][i % 2],
+                track=i % 6 != 1,
+                steps=3,
+                seed=i,
+            )
+        )
+    return cases
+
+
+GRID = _grid()
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"W{c.world}-{c.ndim}d-{c.dtype}-{c.sizes}")
+def test_matches_oracle(pool, case):
+    check_case(case, pool.run(run_case, case))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_no_input_grad(pool, world):
+    case = Case(world=world, sizes=(3,) * world, input_grad=False, dtype="float64")
+    check_case(case, pool.run(run_case, case))
+
+
+def test_single_element_ranks(pool):
+    """Every rank holds one element per channel; together they have enough."""
+    case = Case(world=4, sizes=(1, 1, 0, 1), tail=(), dtype="float64")
+    check_case(case, pool.run(run_case, case))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.integers(2, 4),
+    total=st.integers(4, 12),
+    tail=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    channels=st.integers(1, 6),
+    cuts=st.lists(st.floats(0, 1), min_size=3, max_size=3),
+    seed=st.integers(0, 10_000),
+)
+def test_random_splits_of_one_batch(pool, world, total, tail, channels, cuts, seed):
+    """Any split of one global batch across ranks gives the one-device result."""
+    points = sorted(int(c * total) for c in cuts[: world - 1])
+    sizes = [b - a for a, b in zip([0] + points, points + [total])]
+    case = Case(world=world, sizes=tuple(sizes), tail=tuple(tail), channels=channels, seed=seed, steps=2)
+    check_case(case, pool.run(run_case, case))
+
+
+# ---- module contract, single process -------------------------------------------------
+
+
+def test_constructor_signature_matches_torch():
+    import inspect
+
+    ours = inspect.signature(syncbn.SyncBatchNorm.__init__).parameters
+    theirs = inspect.signature(nn.SyncBatchNorm.__init__).parameters
+    assert list(ours) == list(theirs)
+    for name in theirs:
+        assert ours[name].default == theirs[name].default, name
+        assert ours[name].kind == theirs[name].kind, name
+
+
+@pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d])
+def test_state_dict_loads_both_ways(cls):
+    ref = cls(6)
+    ref.train()
+    shape = {nn.BatchNorm1d: (4, 6, 3), nn.BatchNorm2d: (4, 6, 3, 3), nn.BatchNorm3d: (4, 6, 2, 3, 3)}[cls]
+    ref(torch.randn(shape) + 3)
+    ours = syncbn.SyncBatchNorm(6)
+    ours.load_state_dict(ref.state_dict())
+    back = cls(6)
+    back.load_state_dict(ours.state_dict())
+    for (k1, v1), (k2, v2) in zip(ref.state_dict().items(), back.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+    assert list(ours.state_dict()) == list(nn.BatchNorm2d(6).state_dict())
+    no_bias = syncbn.SyncBatchNorm(6, bias=False)
+    assert no_bias.bias is None and list(no_bias.state_dict()) == list(nn.BatchNorm2d(6, bias=False).state_dict())
+
+
+def _torch_module_inputs(cls):
+    common = pytest.importorskip("torch.testing._internal.common_modules")
+    info = next(m for m in common.module_db if m.module_cls is cls)
+    return info
+
+
+@pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("training", [True, False])
+def test_same_as_torch_on_torch_module_inputs(cls, dtype, training):
+    """On every sample input of torch's own module tests, the same outputs and grads."""
+    info = _torch_module_inputs(cls)
+    inputs = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True, training=training)
+    assert inputs
+    for sample in inputs:
+        args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+        ref = cls(*args, **kwargs).to(dtype)
+        ours = syncbn.SyncBatchNorm(*args, **kwargs).to(dtype)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.uniform_(0.5, 1.5)
+        ours.load_state_dict(ref.state_dict())
+        ref.train(training)
+        ours.train(training)
+        (x,) = sample.forward_input.args
+        for _ in range(2):
+            xr = x.detach().clone().requires_grad_()
+            xo = x.detach().clone().requires_grad_()
+            yr, yo = ref(xr), ours(xo)
+            torch.testing.assert_close(yo, yr, rtol=0, atol=0)
+            if yr.numel():
+                dy = torch.randn_like(yr)
+                yr.backward(dy)
+                yo.backward(dy)
+                torch.testing.assert_close(xo.grad, xr.grad, rtol=0, atol=0)
+        for (k1, v1), (k2, v2) in zip(ref.state_dict().items(), ours.state_dict().items()):
+            assert k1 == k2
+            torch.testing.assert_close(v2, v1, rtol=0, atol=0, equal_nan=True)
+        for p_ref, p_ours in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(p_ours.grad, p_ref.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d])
+def test_same_errors_as_torch_on_torch_error_inputs(cls):
+    info = _torch_module_inputs(cls)
+    errors = info.module_error_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=False, training=True)
+    assert errors
+    for err in errors:
+        sample = err.module_error_input
+        ours = syncbn.SyncBatchNorm(*sample.constructor_input.args, **sample.constructor_input.kwargs)
+        with pytest.raises(err.error_type, match=err.error_regex):
+            ours(*sample.forward_input.args)
+
+
+def test_bad_input_names_the_problem():
+    bn = syncbn.SyncBatchNorm(4)
+    with pytest.raises(ValueError, match="2D to 5D"):
+        bn(torch.randn(4))
+    with pytest.raises(ValueError, match="2D to 5D"):
+        bn(torch.randn(1, 4, 1, 1, 1, 2))
+    with pytest.raises(ValueError, match="expected 4 channels"):
+        bn(torch.randn(2, 3, 5))
+    with pytest.raises(TypeError, match="floating-point"):
+        bn(torch.ones(2, 4, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        bn(torch.randn(1, 4))
+
+
+def test_nan_and_inf_propagate_like_torch():
+    x = torch.randn(4, 3, 5) + 2
+    x[0, 1, 2] = float("nan")
+    x[1, 2, 0] = float("inf")
+    ref, ours = nn.BatchNorm1d(3), syncbn.SyncBatchNorm(3)
+    torch.testing.assert_close(ours(x), ref(x), equal_nan=True)
+    torch.testing.assert_close(ours.running_var, ref.running_var, equal_nan=True)
+
+
+def test_eval_without_group_uses_running_stats():
+    bn = syncbn.SyncBatchNorm(3, momentum=None)
+    for _ in range(3):
+        bn(torch.randn(6, 3, 4) * 2 + 5)
+    assert int(bn.num_batches_tracked) == 3
+    bn.eval()
+    x = torch.randn(2, 3, 4)
+    expected = (x - bn.running_mean.view(1, 3, 1)) / torch.sqrt(bn.running_var.view(1, 3, 1) + bn.eps)
+    torch.testing.assert_close(bn(x), expected)
