@@ -345,7 +345,8 @@ def dtypes():
 @check
 def numerics_vs_keras():
     """Variance at |mean| / std = 1e3 (and 1e4) against a float64 reference, ours next to
-    Keras's BatchNormalization(synchronized=True), on the same data over 2 replicas."""
+    Keras's BatchNormalization(synchronized=True), on the same data over 2 replicas (and
+    Keras's unsynchronized layer on one device with the whole batch, for reference)."""
     import keras
 
     from syncbn.keras import SyncBatchNormalization
@@ -370,6 +371,11 @@ def numerics_vs_keras():
             train_step(strategy, layer, xs, dys)
             var = layer.moving_variance.numpy()
             row[name] = {"variance": var.tolist(), "relative_error": oracle.variance_relative_error(var, reference)}
+        local = keras.layers.BatchNormalization(momentum=0.0)  # one device, whole batch
+        local(np.concatenate(xs), training=True)
+        var = local.moving_variance.numpy()
+        row["keras_one_device"] = {"variance": var.tolist(),
+                                   "relative_error": oracle.variance_relative_error(var, reference)}
         row["reference_variance"] = reference.tolist()
         info[label] = row
     ours = info["ratio 1e3 (mean 1000, std 1)"]["syncbn"]["relative_error"]
