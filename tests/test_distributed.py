@@ -1,0 +1,57 @@
+"""Communication contract: one collective forward, one backward, O(C) payload whatever W,
+none in eval; counted at the process-group level with the profiler."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import syncbn
+from syncbn.traffic import record_collectives, wire_bytes
+from workers import group_of, in_group
+
+
+def count_job(world, channels, input_grad, phase):
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    bn = syncbn.SyncBatchNorm(channels, process_group=group)
+    x = (torch.randn(2 + dist.get_rank(), channels, 4, 4) + 3).requires_grad_(input_grad)
+    with record_collectives() as fwd:
+        if phase == "eval":
+            bn.eval()
+        y = bn(x)
+    with record_collectives() as bwd:
+        y.backward(torch.randn_like(y))
+    return {
+        "forward": [(c.op, c.shapes, c.dtypes, c.payload_bytes) for c in fwd],
+        "backward": [(c.op, c.shapes, c.dtypes, c.payload_bytes) for c in bwd],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_collective_each_way_with_o_c_payload(pool, world):
+    channels = 16
+    for r in pool.run(count_job, world, channels, True, "train")[:world]:
+        assert r["forward"] == [("all_reduce", [[2 * channels + 1]], ["double"], 8 * (2 * channels + 1))]
+        assert r["backward"] == [("all_reduce", [[2 * channels]], ["float"], 4 * 2 * channels)]
+
+
+def test_no_backward_collective_without_input_grad(pool):
+    for r in pool.run(count_job, 4, 8, False, "train"):
+        assert len(r["forward"]) == 1 and r["backward"] == []
+
+
+def test_no_collective_in_eval(pool):
+    for r in pool.run(count_job, 4, 8, True, "eval"):
+        assert r["forward"] == [] and r["backward"] == []
+
+
+def test_group_of_one_has_no_collective(pool):
+    r = pool.run(count_job, 1, 8, True, "train")[0]
+    assert r["forward"] == [] and r["backward"] == []
+
+
+def test_wire_bytes_model():
+    assert wire_bytes("all_reduce", 800, 4) == 1200
+    assert wire_bytes("all_gather", 100, 8) == 700
+    assert wire_bytes("all_reduce", 800, 1) == 0
