@@ -26,9 +26,12 @@ def merged_variance_job(world, ratio, seed):
     return {"x": x, "running_var": bn.running_var.clone(), "finite": bool(torch.isfinite(y).all())}
 
 
+@pytest.mark.parametrize("ratio", [1e3, 1e4])
 @pytest.mark.parametrize("world", [2, 4])
-def test_variance_within_1e5_at_mean_std_1e3(pool, world):
-    results = pool.run(merged_variance_job, world, 1e3, world)[:world]
+def test_variance_within_1e5_at_mean_std_1e3(pool, world, ratio):
+    """The bar is 1e-5 at a ratio of 1e3; measured ~5e-8 (the float32 buffer's rounding),
+    so a regression to the plain float32-mean merge (~2e-6 here) fails at 1e-6."""
+    results = pool.run(merged_variance_job, world, ratio, world)[:world]
     x = torch.cat([r["x"] for r in results]).double()  # the same float32 values, exactly
     n = x.numel() // x.shape[1]
     # float64 two-pass reference, unbiased like the running buffer
@@ -36,7 +39,7 @@ def test_variance_within_1e5_at_mean_std_1e3(pool, world):
     ref = ((x - mean) ** 2).sum(dim=(0, 2, 3)) / (n - 1)
     got = results[0]["running_var"].double()
     rel = ((got - ref).abs() / ref).max().item()
-    assert rel < 1e-5, rel
+    assert rel < 1e-6, rel
     assert all(r["finite"] for r in results)
     for r in results[1:]:
         assert torch.equal(r["running_var"], results[0]["running_var"])

@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "reduce_dims",
+    "local_moments",
     "compute_dtype",
     "accumulate_dtype",
     "pack_moments",
@@ -53,6 +54,28 @@ def _channel_shape(ndim: int, channels: int) -> list:
     return [1, channels] + [1] * (ndim - 2)
 
 
+def local_moments(x: torch.Tensor, dtype: torch.dtype):
+    """This rank's per-channel ``(mean, M2)`` in ``dtype``, for a non-empty ``x``.
+
+    The native batch-norm statistics kernel gives the mean and the biased variance in
+    one pass, in any memory layout. Its mean comes back rounded to the input's precision
+    (about 6e-8 |mean| in float32); when |mean| >> std that rounding is as large as the
+    differences between the ranks' means that the merge must resolve, so for inputs
+    below float64 the rounding is measured and added back: ``x - mean`` is exact
+    where it matters (both close together), and its small sum is accurate.
+    """
+    xs = x.float() if x.dtype in _HALF else x
+    mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
+    n = x.numel() // x.shape[1]
+    m2 = var.to(dtype) * n
+    mean_hi = mean.to(dtype)
+    if xs.dtype != torch.float64:
+        dims = reduce_dims(x.dim())
+        residual = (xs - mean.view(_channel_shape(x.dim(), x.shape[1]))).sum(dims)
+        mean_hi = mean_hi + residual.to(dtype) / n
+    return mean_hi, m2
+
+
 def pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """This rank's ``[n, n*m, M2 + n*m^2]`` for every channel, as one flat tensor.
 
@@ -65,10 +88,7 @@ def pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     packed[0] = n
     if n == 0:
         return packed
-    xs = x.float() if x.dtype in _HALF else x
-    var, mean = torch.var_mean(xs, dim=reduce_dims(x.dim()), correction=0)
-    mean = mean.to(dtype)
-    m2 = var.to(dtype) * n
+    mean, m2 = local_moments(x, dtype)
     torch.mul(mean, n, out=packed[1 : channels + 1])
     torch.addcmul(m2, mean, mean, value=n, out=packed[channels + 1 :])
     return packed
@@ -115,14 +135,19 @@ def backward_sums(dy: torch.Tensor, x: torch.Tensor, mean, invstd):
 
 
 def input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count):
-    """``dx = w * invstd * (dy - S1/N - xhat * S2/N)`` with the global sums S1, S2."""
+    """``dx = w * invstd * (dy - S1/N - xhat * S2/N)`` with the global sums S1, S2.
+
+    Written as ``dx = a * dy + (c + b * (x - mean))`` with per-channel a, b, c: three
+    passes over the data, and ``x - mean`` formed explicitly so that no precision is
+    lost when |mean| >> std.
+    """
     shape = _channel_shape(x.dim(), x.shape[1])
     cdtype = compute_dtype(x.dtype)
     count = count.to(cdtype)
-    mean_dy = (sum_dy / count).view(shape)
-    # xhat * S2/N = (x - mean) * (invstd * S2/N)
-    k = (sum_dy_xhat / count * invstd).view(shape)
-    scale = invstd if weight is None else invstd * weight.to(cdtype)
-    centered = x.to(cdtype) - mean.view(shape)
-    dx = (dy.to(cdtype) - mean_dy).sub_(centered.mul_(k)).mul_(scale.view(shape))
+    a = invstd if weight is None else invstd * weight.to(cdtype)
+    b = -a * invstd * (sum_dy_xhat / count)
+    c = -a * (sum_dy / count)
+    centered = x - mean.view(shape)  # in cdtype: mean is float32 for half inputs
+    torch.addcmul(c.view(shape), centered, b.view(shape), out=centered)
+    dx = torch.addcmul(centered, dy, a.view(shape))
     return dx.to(x.dtype)
