@@ -1,0 +1,16 @@
+# Sourced by scripts/demo and scripts/test: make (or reuse) the project's virtual
+# environment in .venv and install a requirements file into it.
+#   usage: . scripts/env.sh requirements/FILE.txt
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SYNCBN_VENV:-$root/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+stamp="$venv/.installed-$(basename "$1")"
+if [ ! -f "$stamp" ] || [ "$root/$1" -nt "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/$1"
+    touch "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+cd "$root"
