@@ -65,7 +65,10 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     where it matters (both close together), and its small sum is accurate.
     """
     xs = x.float() if x.dtype in _HALF else x
-    mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
+    if x.device.type in NATIVE_KERNEL_DEVICES:
+        mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
+    else:  # portable composite ops (Welford) for every other backend
+        var, mean = torch.var_mean(xs, dim=reduce_dims(x.dim()), correction=0)
     n = x.numel() // x.shape[1]
     m2 = var.to(dtype) * n
     mean_hi = mean.to(dtype)
@@ -128,9 +131,17 @@ def backward_sums(dy: torch.Tensor, x: torch.Tensor, mean, invstd):
     if x.numel() == 0:
         zeros = torch.zeros(channels, dtype=cdtype, device=x.device)
         return zeros, zeros.clone()
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True]
-    )
+    if x.device.type in NATIVE_KERNEL_DEVICES:
+        # the native backward kernel's weight and bias gradients are exactly these sums
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True]
+        )
+    else:
+        shape = _channel_shape(x.dim(), channels)
+        dims = reduce_dims(x.dim())
+        dyc = dy.to(cdtype)
+        sum_dy = dyc.sum(dims)
+        sum_dy_xhat = (dyc * (x.to(cdtype) - mean.view(shape))).sum(dims) * invstd
     return sum_dy.to(cdtype), sum_dy_xhat.to(cdtype)
 
 
