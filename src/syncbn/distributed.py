@@ -10,7 +10,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_initialized", "group_size", "group_rank", "all_reduce_sum"]
+__all__ = [
+    "is_initialized",
+    "compiling",
+    "group_size",
+    "group_rank",
+    "default_group",
+    "new_groups",
+    "all_reduce_sum",
+    "all_gather",
+    "broadcast",
+]
 
 
 def is_initialized() -> bool:
@@ -32,7 +42,29 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group)
 
 
-def _compiling() -> bool:
+def default_group():
+    """The default (world) process group object; None when not distributed."""
+    return dist.group.WORLD if is_initialized() else None
+
+
+def new_groups(blocks):
+    """Create one process group per list of ranks in ``blocks``; return this rank's.
+
+    ``dist.new_group`` is collective over the whole world: every rank must call this
+    with the same ``blocks`` in the same order, and every rank creates every group,
+    including those it is not a member of. Returns None when this rank is in no block.
+    """
+    rank = dist.get_rank()
+    mine = None
+    for ranks in blocks:
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` is tracing the calling code."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
 
@@ -44,9 +76,26 @@ def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     ``torch.compile`` the traceable functional collective is used instead, so the
     layer compiles without a graph break; it is still a single all-reduce.
     """
-    if _compiling():
+    if compiling():
         from torch.distributed import _functional_collectives as funcol
 
         return funcol.all_reduce(tensor, "sum", group if group is not None else dist.group.WORLD)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape on each), stacked in group-rank order.
+
+    Used by the tools (PreciseBN's batch-count agreement, ``syncbn verify``'s layer-order
+    check), never by the layers themselves.
+    """
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Overwrite ``tensor`` in place with the one of global rank ``src``; returns it."""
+    dist.broadcast(tensor, src, group=group)
     return tensor
