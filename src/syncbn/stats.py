@@ -30,6 +30,8 @@ __all__ = [
     "update_running_stats",
     "backward_sums",
     "input_grad",
+    "backward_sums_from_output",
+    "input_grad_from_output",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -162,3 +164,44 @@ def input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count):
     torch.addcmul(c.view(shape), centered, b.view(shape), out=centered)
     dx = torch.addcmul(centered, dy, a.view(shape))
     return dx.to(x.dtype)
+
+
+# ---- the same formulas from the normalized output ------------------------------------
+# An activated, in-place layer keeps only its output. With ``z = w * xhat + b`` (the
+# normalized, affine output before the activation) recovered from it, ``xhat`` is
+# ``(z - b) / w``; these two functions take z where the ones above take x.
+
+
+def backward_sums_from_output(dz: torch.Tensor, z: torch.Tensor, weight, bias):
+    """This rank's ``(sum dz, sum dz * xhat)`` per channel with ``xhat = (z - bias) / weight``.
+
+    ``weight`` and ``bias`` are per-channel tensors in the compute dtype (ones and zeros
+    for a layer without affine parameters). A channel whose weight is 0 gets 0 for the
+    second sum: its ``xhat`` cannot be recovered from ``z`` and must come from elsewhere.
+    """
+    safe = weight != 0
+    reciprocal = torch.where(safe, 1.0 / torch.where(safe, weight, torch.ones_like(weight)), 0.0)
+    return backward_sums(dz, z, bias, reciprocal)
+
+
+def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, count, *, overwrite_z=False):
+    """``dx = w * invstd * (dz - S1/N) - invstd * S2/N * (z - b)``: the input gradient of
+    :func:`input_grad` with ``xhat`` replaced by ``(z - b) / w``, so ``xhat`` is never
+    formed and nothing is divided by ``w`` (finite for any weight, 0 included).
+
+    Same three passes as :func:`input_grad`, with ``z - b`` formed explicitly. The result
+    is in the compute dtype. ``overwrite_z=True`` builds it in ``z``'s memory (``z``
+    must then be a compute-dtype tensor that nothing else reads) instead of allocating.
+    """
+    shape = _channel_shape(z.dim(), z.shape[1])
+    cdtype = compute_dtype(z.dtype)
+    count = count.to(cdtype)
+    a = invstd * weight
+    b = -invstd * (sum_dy_xhat / count)
+    c = -a * (sum_dy / count)
+    if overwrite_z and z.dtype == cdtype:
+        centered = z.sub_(bias.view(shape))
+    else:
+        centered = z.to(cdtype) - bias.view(shape)
+    torch.addcmul(c.view(shape), centered, b.view(shape), out=centered)
+    return centered.addcmul_(dz, a.view(shape))
