@@ -1,0 +1,542 @@
+r"""``syncbn.SyncBatchNormAct``: synchronized batch norm and an invertible activation in
+one layer that keeps only its output for the backward pass.
+
+Batch norm followed by an activation normally keeps two activation-sized tensors alive
+for backward: the batch norm's input ``x`` and the activation's input (or output). This
+layer keeps only its output ``y = act(w * xhat + b)`` and recovers what the backward
+pass needs from it (the idea of InPlace-ABN, Rota Bulo et al., CVPR 2018): with an
+invertible activation, ``z = act^-1(y)`` is the normalized, affine output, and
+``xhat = (z - b) / w``. Training statistics are those of :class:`syncbn.SyncBatchNorm`
+(one all-reduce of ``2C + 1`` float64 values forward, one of ``2C`` values backward,
+uneven and empty ranks exact), and the function computed is exactly batch norm
+followed by the activation with the same weights: no reparametrization, so a
+``BatchNorm2d`` checkpoint loads as it is.
+
+**Recovering xhat, and when not to.** Dividing by ``w`` fails where ``w == 0`` (the
+output holds no trace of ``x``) and loses precision where ``|w|`` is small next to
+``|b|``: the stored ``z`` is rounded at the scale of ``|b|``, so ``xhat`` recovered from
+it carries an error of about ``u * |b| / |w|`` (``u`` the unit roundoff of the stored
+dtype). The activation adds its own factor: leaky_relu divides the negative side by its
+slope, and ELU's inverse ``log1p(y / alpha)`` amplifies rounding by ``exp(-z)`` where
+it saturates (at ``y == -alpha`` the value is lost). So, per channel and per forward
+call, the layer bounds that amplification from ``w``, ``b``, the activation and (for ELU
+only) this rank's most negative pre-activation::
+
+    A = (|b| + tiny / s) / |w|                 identity (s = 1), leaky_relu (s = slope)
+    A = max((|b| + tiny) / |w|, exp(-z_min) / |w|)        elu
+
+(``tiny`` the smallest normal number of the stored dtype, for outputs near zero) and,
+for every channel where ``A`` exceeds a budget (2**16 for float64, 2**8 for float32,
+2**3 for float16, 2**2 for bfloat16) or ``w == 0``, the layer also keeps that channel's
+input values and takes ``xhat`` from them, exactly as :class:`syncbn.SyncBatchNorm`
+does. Negative weights need nothing special: the division keeps their sign. The input
+gradient itself is written without dividing by ``w`` (see
+:func:`syncbn.stats.input_grad_from_output`). Choosing the channels reads a C-sized
+mask on the host once per training forward (the only host synchronisation the layer
+adds, needed because the amount saved depends on it); a layer that needs no gradient
+skips it.
+
+**In place.** The output is written over the input when nothing else can read the
+input afterwards; otherwise the layer works out of place, with the same numbers and the
+same saved bytes (in both cases only the output is kept). The input is overwritten only
+when every one of these holds: it is a plain tensor that is not a leaf requiring grad,
+not a view, not aliased by another tensor (its storage has no other user, which also
+rules out a producer that saved its own output, such as ``relu``), not saved for
+backward by another operation (no other C++ owner), has no tensor hooks, weak
+references or ``retain_grad``; the layer has no module hooks and is called through
+``Module.__call__``; and no Python name or container holds the input beyond the call
+itself, checked with its reference count against a count measured once, at first use,
+for the same call path. In practice: ``bnact(conv(x))`` and the layer inside
+``nn.Sequential`` (where the container's loop variable is rebound right away) run in
+place; ``x = conv(x); x = bnact(x)`` and anything else keeping ``x`` run out of place.
+When the Python version makes a held tensor indistinguishable from a temporary by its
+reference count, the layer never works in place.
+
+Activations: ``"identity"``, ``"leaky_relu"`` (``activation_param`` is the negative
+slope, which must be positive: slope 0 is ReLU, which loses the sign of every negative
+input, and a negative slope is not monotonic) and ``"elu"`` (``activation_param`` is
+alpha, which must be positive). ReLU is not invertible, so a ReLU block must stay
+``SyncBatchNorm`` + ``ReLU``.
+
+Saved for backward per layer: the output (one activation-sized tensor), a few C-sized
+vectors, and the inputs of the channels chosen above (none in the common case).
+``BatchNorm2d`` + ``LeakyReLU`` keeps two activation-sized tensors. With
+``"identity"`` there is no second tensor to save: the layer keeps its output instead of
+its input, which helps only where the next layer keeps that output too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import distributed, stats
+from .functional import check_input
+
+__all__ = ["SyncBatchNormAct", "ACTIVATIONS"]
+
+ACTIVATIONS = ("identity", "leaky_relu", "elu")
+
+# How much recovering xhat from the stored output may amplify its rounding (in units of
+# the stored dtype's unit roundoff) before a channel keeps its input instead.
+# Resulting error in xhat: float64 ~1e-11, float32 ~1.5e-5, float16 ~4e-3, bfloat16 ~8e-3.
+AMPLIFICATION_BUDGET = {
+    torch.float64: 2.0**16,
+    torch.float32: 2.0**8,
+    torch.float16: 2.0**3,
+    torch.bfloat16: 2.0**2,
+}
+
+_BIAS_KEYWORD = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
+
+def _check_activation(activation, param):
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(
+            f"SyncBatchNormAct: unknown activation {activation!r}; expected one of "
+            f"{', '.join(repr(a) for a in ACTIVATIONS)} (ReLU is not invertible: keep "
+            "SyncBatchNorm followed by nn.ReLU for it)"
+        )
+    if isinstance(param, bool) or not isinstance(param, (int, float)) or not math.isfinite(param):
+        raise ValueError(f"SyncBatchNormAct: activation_param must be a finite number, got {param!r}")
+    param = float(param)
+    if activation == "leaky_relu" and param <= 0:
+        raise ValueError(
+            f"SyncBatchNormAct: leaky_relu needs a positive negative slope (activation_param) "
+            f"to be invertible, got {param}: slope 0 is ReLU, which maps every negative input "
+            "to 0, and a negative slope is not monotonic"
+        )
+    if activation == "elu" and param <= 0:
+        raise ValueError(
+            f"SyncBatchNormAct: elu needs alpha (activation_param) > 0 to be invertible, got {param}"
+        )
+    return activation, param
+
+
+def _channel_shape(ndim: int, channels: int) -> list:
+    return [1, channels] + [1] * (ndim - 2)
+
+
+def _memory_format(x: Tensor):
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _activate_(y: Tensor, activation: str, param: float) -> Tensor:
+    """The activation, in place on a tensor that nothing else reads."""
+    if activation == "leaky_relu":
+        return F.leaky_relu(y, param, inplace=True)
+    if activation == "elu":
+        return F.elu(y, param, inplace=True)
+    return y
+
+
+def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype):
+    """``(z, dz, owned)``: the activation's input recovered from its output and the
+    gradient with respect to it, both in the compute dtype; ``owned`` tells whether
+    ``z`` is a new tensor that the caller may overwrite (identity returns ``y`` itself)."""
+    yc = y.to(cdtype)
+    dyc = dy.to(cdtype)
+    if activation == "leaky_relu":
+        z = F.leaky_relu(yc, 1.0 / param)
+        dz = torch.ops.aten.leaky_relu_backward(dyc, yc, param, True)
+    elif activation == "elu":
+        # log1p(y / alpha) on the negative side, y itself on the other
+        z = yc.clamp(max=0).div_(param).log1p_()
+        torch.where(yc > 0, yc, z, out=z)
+        dz = torch.ops.aten.elu_backward(dyc, param, 1, 1, True, yc)
+    else:
+        z, dz = yc, dyc
+    return z, dz, z is not y
+
+
+def _activation_grad(dy: Tensor, z: Tensor, activation: str, param: float) -> Tensor:
+    """The gradient with respect to the activation's input ``z``, given at ``z``."""
+    if activation == "leaky_relu":
+        return torch.ops.aten.leaky_relu_backward(dy, z, param, False)
+    if activation == "elu":
+        return torch.ops.aten.elu_backward(dy, param, 1, 1, False, z)
+    return dy
+
+
+def _channels_to_keep(x, weight, bias, mean, invstd, activation, param) -> Tensor:
+    """Boolean mask of the channels whose xhat cannot be recovered from the stored
+    output within the amplification budget (see the module docstring)."""
+    info = torch.finfo(x.dtype)
+    budget = AMPLIFICATION_BUDGET.get(x.dtype, 2.0**2)
+    floor = info.tiny / min(param, 1.0) if activation == "leaky_relu" else info.tiny
+    scale = weight.abs()
+    amplification = (bias.abs() + floor) / scale  # inf (or nan) where the weight is 0
+    if activation == "elu":
+        dims = stats.reduce_dims(x.dim())
+        low = x.amin(dims).to(mean.dtype)
+        high = x.amax(dims).to(mean.dtype)
+        # the most negative pre-activation of each channel on this rank
+        extreme = torch.where(weight >= 0, low, high)
+        z_min = bias + weight * ((extreme - mean) * invstd)
+        amplification = torch.maximum(amplification, torch.exp(-z_min) * (1 + info.tiny / param) / scale)
+    return ~(amplification <= budget)
+
+
+class _SyncBatchNormAct(torch.autograd.Function):
+    """Forward and backward of the activated layer; one all-reduce each way when syncing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation, param, inplace):
+        channels = x.shape[1]
+        n = x.numel() // channels if channels else 0
+        packed = stats.pack_moments(x, stats.accumulate_dtype(x.device))
+        if syncing:
+            packed = distributed.all_reduce_sum(packed, group)
+        count, mean, var = stats.merge_moments(packed, channels)
+        # as in syncbn.functional: only ranks with at most one local value can see a
+        # global count <= 1, and when it is, every rank reads it and raises alike
+        if n <= 1 and int(count.item()) <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got {int(count.item())} "
+                f"value(s) per channel in total across the process group (local input shape "
+                f"{tuple(x.shape)})"
+            )
+        if running_mean is not None or running_var is not None:
+            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
+
+        cdtype = stats.compute_dtype(x.dtype)
+        mean = mean.to(cdtype)
+        invstd = torch.rsqrt(var.to(cdtype) + eps)
+        gamma = torch.ones_like(mean) if weight is None else weight.detach().to(cdtype)
+        beta = torch.zeros_like(mean) if bias is None else bias.detach().to(cdtype)
+
+        keep_idx = keep_x = None
+        if any(ctx.needs_input_grad[:3]) and x.numel():
+            keep_idx = _channels_to_keep(x, gamma, beta, mean, invstd, activation, param).nonzero().flatten()
+            if keep_idx.numel():
+                keep_x = x.index_select(1, keep_idx)
+            else:
+                keep_idx = None
+
+        shape = _channel_shape(x.dim(), channels)
+        scale = (gamma * invstd).view(shape)
+        y = x if inplace else torch.empty_like(x)
+        if cdtype == x.dtype:  # centered first: exact where |mean| >> std
+            torch.sub(x, mean.view(shape), out=y)
+            torch.addcmul(beta.view(shape), y, scale, out=y)
+        else:  # half: one pass in float32, rounded once (its error is far below half's)
+            torch.addcmul(beta.view(shape) - mean.view(shape) * scale, x, scale, out=y)
+        _activate_(y, activation, param)
+        if inplace:
+            ctx.mark_dirty(x)
+
+        ctx.save_for_backward(y, keep_x, keep_idx, gamma, beta, mean, invstd, count.clone())
+        ctx.group = group
+        ctx.syncing = syncing
+        ctx.activation = activation
+        ctx.param = param
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        y, keep_x, keep_idx, gamma, beta, mean, invstd, count = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        channels = y.shape[1]
+        cdtype = mean.dtype
+        if y.numel() == 0:
+            sum_dy = torch.zeros(channels, dtype=cdtype, device=y.device)
+            sum_dy_xhat = torch.zeros_like(sum_dy)
+        else:
+            dy = dy.contiguous(memory_format=_memory_format(y))
+            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype)
+            sum_dy, sum_dy_xhat = stats.backward_sums_from_output(dz, z, gamma, beta)
+            if keep_idx is not None:
+                # the kept channels, from their inputs: x-hat exactly, and the activation's
+                # slope taken at the pre-activation itself (which the stored output may
+                # have rounded to zero)
+                x_kept = keep_x.to(cdtype)
+                kept_mean, kept_invstd = mean[keep_idx], invstd[keep_idx]
+                shape = _channel_shape(y.dim(), keep_idx.numel())
+                z_kept = torch.addcmul(
+                    beta[keep_idx].view(shape), x_kept - kept_mean.view(shape),
+                    (gamma[keep_idx] * kept_invstd).view(shape),
+                )
+                dy_kept = dy.index_select(1, keep_idx).to(cdtype)
+                dz_kept = _activation_grad(dy_kept, z_kept, ctx.activation, ctx.param)
+                s1, s2 = stats.backward_sums(dz_kept, x_kept, kept_mean, kept_invstd)
+                sum_dy.index_copy_(0, keep_idx, s1)
+                sum_dy_xhat.index_copy_(0, keep_idx, s2)
+
+        dx = None
+        if need_x:
+            packed = torch.cat([sum_dy, sum_dy_xhat])
+            if ctx.syncing:
+                packed = distributed.all_reduce_sum(packed, ctx.group)
+            total_dy, total_dy_xhat = packed[:channels], packed[channels:]
+            if y.numel() == 0:
+                dx = torch.zeros_like(y)
+            else:
+                dx = stats.input_grad_from_output(
+                    dz, z, gamma, beta, invstd, total_dy, total_dy_xhat, count, overwrite_z=owned
+                )
+                if keep_idx is not None:
+                    dx_kept = stats.input_grad(
+                        dz_kept, x_kept, gamma[keep_idx], kept_mean, kept_invstd,
+                        total_dy[keep_idx], total_dy_xhat[keep_idx], count,
+                    )
+                    dx.index_copy_(1, keep_idx, dx_kept)
+                dx = dx.to(y.dtype)
+        dw = sum_dy_xhat.to(ctx.weight_dtype) if need_w else None
+        db = sum_dy.to(ctx.bias_dtype) if need_b else None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
+
+
+# ---- may the input be overwritten? ---------------------------------------------------
+
+
+class _RefProbe(nn.Module):
+    """Measures, at its first statement, what SyncBatchNormAct.forward measures at its."""
+
+    def forward(self, input):
+        refs = sys.getrefcount(input)
+        frame = sys._getframe(1)
+        self.seen = (refs, frame.f_code, frame.f_back.f_code, frame.f_back.f_back.f_code)
+        del frame
+        return input
+
+
+class _Fresh(nn.Module):
+    def forward(self, input):
+        return torch.empty(0)
+
+
+class _Keep(nn.Module):
+    def forward(self, input):
+        self.kept = torch.empty(0)
+        return self.kept
+
+
+def _probe_temporary(probe):
+    probe(torch.empty(0))
+    return probe.seen
+
+
+def _probe_held(probe):
+    held = torch.empty(0)
+    probe(held)
+    return probe.seen
+
+
+def _measure_call_path():
+    """Reference counts of a layer's input seen at the top of ``forward`` on the plain
+    ``Module.__call__`` path: for a temporary, and for the output of the previous layer
+    of an ``nn.Sequential``. Each is checked against the same situation with one more
+    holder; if the two cannot be told apart, in-place is off (returns None)."""
+    probe = _RefProbe()
+    temporary, call_impl, wrapped, _ = _probe_temporary(probe)
+    held = _probe_held(probe)[0]
+    nn.Sequential(_Fresh(), probe)(torch.empty(0))
+    sequential, seq_impl, seq_wrapped, seq_code = probe.seen
+    nn.Sequential(_Keep(), probe)(torch.empty(0))
+    seq_held = probe.seen[0]
+    if seq_code is not nn.Sequential.forward.__code__:
+        return None
+    if not (held > temporary and seq_held > sequential):
+        return None
+    if seq_impl is not call_impl or seq_wrapped is not wrapped:
+        return None
+    return {"temporary": temporary, "sequential": sequential, "call_impl": call_impl,
+            "wrapped": wrapped, "sequential_code": seq_code}
+
+
+_CALL_PATH = []  # [measurement or None], filled at first use
+
+
+def _call_path():
+    if not _CALL_PATH:
+        try:
+            _CALL_PATH.append(_measure_call_path())
+        except Exception:  # an unusual interpreter: never overwrite
+            _CALL_PATH.append(None)
+    return _CALL_PATH[0]
+
+
+_MODULE_HOOKS = (
+    "_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks",
+)
+
+
+def _has_module_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as module_impl
+
+    if module._backward_hooks or module._backward_pre_hooks or module._forward_hooks or module._forward_pre_hooks:
+        return True
+    return any(getattr(module_impl, name, True) for name in _MODULE_HOOKS)
+
+
+def _storage_users(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_FRESH_COUNTS = []  # [(TensorImpl users, storage users)] of a fresh tensor
+
+
+def _fresh_counts():
+    if not _FRESH_COUNTS:
+        t = torch.empty(1)
+        _FRESH_COUNTS.append((t._use_count(), _storage_users(t)))
+    return _FRESH_COUNTS[0]
+
+
+def _can_overwrite(module: nn.Module, x: Tensor, refs) -> bool:
+    """True when no one but this call can read ``x`` after it (see the module docstring)."""
+    if refs is None or type(x) is not torch.Tensor:
+        return False
+    if x.requires_grad and x.is_leaf:
+        return False
+    if x._is_view() or not x.is_contiguous(memory_format=_memory_format(x)) or x.retains_grad:
+        return False
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    if getattr(x, "_backward_hooks", None) or weakref.getweakrefs(x):
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(x) or x.device.type == "meta":
+        return False
+    impl_users, storage_users = _fresh_counts()
+    if x._use_count() > impl_users or _storage_users(x) > storage_users:
+        return False
+    if _has_module_hooks(module):
+        return False
+    path = _call_path()
+    if path is None:
+        return False
+    frame = sys._getframe(2)  # forward's caller: Module._call_impl
+    try:
+        if frame.f_code is not path["call_impl"] or frame.f_back.f_code is not path["wrapped"]:
+            return False
+        caller = frame.f_back.f_back.f_code
+    finally:
+        del frame
+    limit = path["sequential"] if caller is path["sequential_code"] else path["temporary"]
+    return refs <= limit
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+class SyncBatchNormAct(_BatchNorm):
+    r"""Synchronized batch normalization followed by an invertible activation, keeping
+    only the output for the backward pass.
+
+    .. math::
+        y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}}
+            * \gamma + \beta\right)
+
+    Exactly :class:`syncbn.SyncBatchNorm` followed by the activation (same statistics,
+    same running buffers, same communication: one all-reduce forward and one backward in
+    training, none in eval, uneven and empty ranks exact), with the backward pass rebuilt
+    from the output (see :mod:`syncbn.batchnorm_act` for the method and its safeguards).
+
+    Args:
+        num_features: C of an input (N, C, *).
+        activation: ``"leaky_relu"`` (default), ``"elu"`` or ``"identity"``.
+        activation_param: the negative slope of leaky_relu (> 0), or alpha of elu (> 0);
+            ignored by identity. Default 0.01 for both.
+        eps, momentum, affine, track_running_stats, process_group, device, dtype: as
+            :class:`syncbn.SyncBatchNorm`. Keyword-only ``bias=False`` drops the shift.
+
+    Shapes: input (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the same
+    shape and memory format, often the very input tensor (see "In place" in the module
+    docs). The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        activation, activation_param = _check_activation(activation, activation_param)
+        extra = {"bias": bias} if _BIAS_KEYWORD else {}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
+        if affine and not bias and not _BIAS_KEYWORD:
+            self.register_parameter("bias", None)
+        self.activation = activation
+        self.activation_param = activation_param
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        check_input(input, self.num_features, type(self).__name__)
+
+    def _momentum(self, as_tensor: bool):
+        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``."""
+        if not (self.training and self.track_running_stats):
+            return 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        if self.momentum is not None:
+            return self.momentum
+        if self.num_batches_tracked is None:
+            return 0.0
+        if as_tensor:  # the cumulative average without a host read
+            return 1.0 / self.num_batches_tracked.to(torch.float64)
+        return 1.0 / float(self.num_batches_tracked)
+
+    def forward(self, input: Tensor) -> Tensor:
+        refs = None if _compiling() else sys.getrefcount(input)  # first: nothing else may hold it yet
+        self._check_input_dim(input)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        local_plain = not (bn_training and self.training)  # eval: running or local batch stats
+        syncing = not local_plain and distributed.group_size(self.process_group) > 1
+        if not syncing and input.numel() == 0:
+            local_plain = True  # an empty batch on one process: as torch.nn does it
+        momentum = self._momentum(as_tensor=not local_plain)
+        track = not bn_training or self.track_running_stats
+        running_mean = self.running_mean if track else None
+        running_var = self.running_var if track else None
+        if local_plain:
+            if isinstance(momentum, Tensor):
+                momentum = float(momentum)
+            out = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, momentum, self.eps)
+            return _activate_(out, self.activation, self.activation_param)
+        if self.eps <= 0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
+        inplace = _can_overwrite(self, input, refs)
+        return _SyncBatchNormAct.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
+            self.process_group, syncing, self.activation, self.activation_param, inplace,
+        )
+
+    def extra_repr(self) -> str:
+        text = f"{self.num_features}, activation={self.activation!r}"
+        if self.activation != "identity":
+            text += f", activation_param={self.activation_param}"
+        text += (
+            f", eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}"
+        )
+        if self.process_group is not None:
+            text += ", process_group=custom"
+        return text
