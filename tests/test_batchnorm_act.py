@@ -1,0 +1,805 @@
+"""syncbn.SyncBatchNormAct: the float64 oracle (batch norm + activation on the concatenated
+batch) on real gloo processes, the weights where x-hat cannot be read back from the
+output, in place vs out of place, saved bytes, collectives, and the fusing helper."""
+
+import copy
+import itertools
+import random
+import warnings
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import syncbn
+from bn_oracle import BUFFER_TOL, DTYPES, TOL, Case, make_data, max_rel_err
+from syncbn.memory import peak_memory, saved_bytes, saved_tensors
+from syncbn.traffic import record_collectives
+from workers import group_of, in_group
+
+DTYPE_NAMES = ["float32", "float64", "bfloat16", "float16"]
+ACTS = {"leaky_relu": (0.01, 0.2, 1.5), "elu": (1.0, 0.3), "identity": (0.01,)}
+
+
+def torch_activation(name, param):
+    return {"leaky_relu": lambda: nn.LeakyReLU(param), "elu": lambda: nn.ELU(param), "identity": nn.Identity}[name]()
+
+
+# ---- the oracle ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActCase:
+    base: Case
+    activation: str = "leaky_relu"
+    param: float = 0.01
+    weight: Optional[tuple] = None  # per-channel overrides of the drawn weights / biases
+    bias: Optional[tuple] = None
+    dy_from_x: float = 0.0  # add this multiple of the standardized input to dy
+
+
+def act_data(case: ActCase):
+    base = case.base
+    data = make_data(base)
+    pdtype = DTYPES[base.param_dtype or base.dtype]
+    for key, values in (("weight", case.weight), ("bias", case.bias)):
+        if values is not None:
+            data[key] = torch.tensor(values, dtype=torch.float64).to(pdtype).to(torch.float64)
+    if case.dy_from_x:
+        dtype = DTYPES[base.dtype]
+        steps = []
+        for xs, dys in data["steps"]:
+            x = torch.cat(xs)
+            dims = [0] + list(range(2, x.dim()))
+            std = x.std(dims, keepdim=True) if x.shape[0] > 1 or x.dim() > 2 else 1.0
+            z = (x - x.mean(dims, keepdim=True)) / std
+            parts = torch.split(z, [t.shape[0] for t in xs])
+            dys = [(dy + case.dy_from_x * p).to(dtype).to(torch.float64) for dy, p in zip(dys, parts)]
+            steps.append((xs, dys))
+        data["steps"] = steps
+    return data
+
+
+def _format(base: Case):
+    if base.channels_last and base.ndim == 4:
+        return torch.channels_last
+    if base.channels_last and base.ndim == 5:
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+class _Producer(nn.Module):
+    """Hands a fresh copy of its input to the next layer, and notes where it lives."""
+
+    def forward(self, x):
+        out = x.clone()
+        self.ptr = out.data_ptr()
+        return out
+
+
+def run_act_case(case: ActCase):
+    """Worker job: one rank's outputs, gradients and buffers for the case."""
+    base = case.base
+    group = group_of(base.world)
+    if not in_group(base.world):
+        return None
+    rank = dist.get_rank()
+    data = act_data(case)
+    dtype = DTYPES[base.dtype]
+    fmt = _format(base)
+    module = syncbn.SyncBatchNormAct(
+        base.channels, case.activation, case.param, eps=base.eps, momentum=base.momentum, affine=base.affine,
+        track_running_stats=base.track, process_group=group, bias=base.bias,
+    ).to(DTYPES[base.param_dtype or base.dtype])
+    with torch.no_grad():
+        if module.weight is not None:
+            module.weight.copy_(data["weight"])
+        if module.bias is not None:
+            module.bias.copy_(data["bias"])
+    producer = _Producer()
+    chain = nn.Sequential(producer, module)
+    result = {"steps": [], "formats_kept": True, "in_place": []}
+    for i, (xs, dys) in enumerate(data["steps"]):
+        x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(base.input_grad)
+        if i % 2 == 0:  # through a Sequential: overwrites the fresh copy
+            y = chain(x)
+            result["in_place"].append(y.data_ptr() == producer.ptr or x.numel() == 0)
+        else:  # the caller keeps x: out of place
+            y = module(x)
+            result["in_place"].append(False)
+            assert x.numel() == 0 or torch.equal(x.detach().double(), xs[rank]), "input was overwritten"
+        if fmt is not torch.contiguous_format and x.numel():
+            result["formats_kept"] &= y.is_contiguous(memory_format=fmt)
+        y.backward(dys[rank].to(dtype))
+        step = {"y": y.detach().double(), "dx": None if x.grad is None else x.grad.detach().double()}
+        if base.input_grad and x.numel() and fmt is not torch.contiguous_format:
+            result["formats_kept"] &= x.grad.is_contiguous(memory_format=fmt)
+        for name in ("weight", "bias"):
+            p = getattr(module, name)
+            step["d" + name] = None if p is None else p.grad.detach().double().clone()
+            if p is not None:
+                p.grad = None
+        step["dtype_ok"] = y.dtype == dtype
+        result["steps"].append(step)
+    result["buffers"] = {n: None if b is None else b.detach().double().clone() for n, b in module.named_buffers()}
+    module.eval()
+    result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
+    return result
+
+
+def _act64(z, case: ActCase):
+    if case.activation == "leaky_relu":
+        return F.leaky_relu(z, case.param)
+    if case.activation == "elu":
+        return F.elu(z, case.param)
+    return z
+
+
+def act_oracle(case: ActCase):
+    """Batch norm then the activation, float64, on the concatenated batch."""
+    base = case.base
+    data = act_data(case)
+    c = base.channels
+    running_mean = torch.zeros(c, dtype=torch.float64) if base.track else None
+    running_var = torch.ones(c, dtype=torch.float64) if base.track else None
+    weight = data["weight"] if base.affine else None
+    bias = data["bias"] if base.affine and base.bias else None
+    steps = []
+    for i, (xs, dys) in enumerate(data["steps"]):
+        x = torch.cat(xs).requires_grad_()
+        w = None if weight is None else weight.clone().requires_grad_()
+        b = None if bias is None else bias.clone().requires_grad_()
+        momentum = base.momentum if base.momentum is not None else 1.0 / (i + 1)
+        y = _act64(F.batch_norm(x, running_mean, running_var, w, b, True, momentum, base.eps), case)
+        y.backward(torch.cat(dys))
+        steps.append({"y": y.detach(), "dx": x.grad, "dweight": None if w is None else w.grad,
+                      "dbias": None if b is None else b.grad})
+    if base.track:
+        evals = [_act64(F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, base.eps), case)
+                 for x in data["eval"]]
+    else:
+        evals = [_act64(F.batch_norm(x, None, None, weight, bias, True, 0.0, base.eps), case) for x in data["eval"]]
+    buffers = {}
+    if base.track:
+        buffers = {"running_mean": running_mean, "running_var": running_var,
+                   "num_batches_tracked": torch.tensor(float(base.steps), dtype=torch.float64)}
+    return {"steps": steps, "eval": evals, "buffers": buffers}
+
+
+def check_act_case(case: ActCase, results) -> dict:
+    base = case.base
+    ref = act_oracle(case)
+    ranks = results[: base.world]
+    tol = TOL[base.dtype]
+    btol = max(BUFFER_TOL[base.dtype], TOL[base.param_dtype or base.dtype] / 4)
+    worst = {"y": 0.0, "dx": 0.0, "dparam": 0.0, "buffers": 0.0, "eval": 0.0}
+    for r in ranks:
+        assert r["formats_kept"], "memory format not preserved"
+        assert all(r["in_place"][0::2]) and not any(r["in_place"][1::2]), r["in_place"]
+    for i, expect in enumerate(ref["steps"]):
+        got = [r["steps"][i] for r in ranks]
+        assert all(g["dtype_ok"] for g in got)
+        worst["y"] = max(worst["y"], max_rel_err(torch.cat([g["y"] for g in got]), expect["y"]))
+        if base.input_grad:
+            worst["dx"] = max(worst["dx"], max_rel_err(torch.cat([g["dx"] for g in got]), expect["dx"]))
+        else:
+            assert all(g["dx"] is None for g in got)
+        for name in ("dweight", "dbias"):
+            if expect[name] is None:
+                assert all(g[name] is None for g in got), name
+                continue
+            worst["dparam"] = max(worst["dparam"], max_rel_err(sum(g[name] for g in got), expect[name]))
+    for name, value in ref["buffers"].items():
+        for r in ranks:
+            worst["buffers"] = max(worst["buffers"], max_rel_err(r["buffers"][name], value))
+            assert torch.equal(r["buffers"][name], ranks[0]["buffers"][name]), f"{name} differs across ranks"
+    for r, expect in zip(ranks, ref["eval"]):
+        worst["eval"] = max(worst["eval"], max_rel_err(r["eval"], expect))
+    for key, err in worst.items():
+        limit = btol if key == "buffers" else tol
+        assert err <= limit, f"{key}: relative error {err:.3g} > {limit:.3g} for {case}"
+    return worst
+
+
+def _grid():
+    """World sizes 1-3 x input ranks 2-5 x dtypes, activations and options cycled (W = 4
+    runs in the tests of hard weights and of collectives)."""
+    rng = random.Random(11)
+    cycle = itertools.count()
+    acts = itertools.cycle([(a, p) for a, ps in ACTS.items() for p in ps])
+    cases = []
+    for world, ndim, dtype in itertools.product([1, 2, 3], [2, 3, 4, 5], DTYPE_NAMES):
+        i = next(cycle)
+        tail = {2: (), 3: (7,), 4: (5, 4), 5: (3, 4, 2)}[ndim]
+        sizes = [rng.randint(0, 4) for _ in range(world)]
+        if world > 1 and i % 2 == 0:
+            sizes[rng.randrange(world)] = 0
+        span = 1
+        for d in tail:
+            span *= d
+        while sum(sizes) * span < 4:
+            sizes[-1] += 1
+        half = dtype in ("bfloat16", "float16")
+        activation, param = next(acts)
+        base = Case(
+            world=world, sizes=tuple(sizes), tail=tail, channels=[3, 5, 1, 8][i % 4], dtype=dtype,
+            param_dtype=("float32" if i % 3 else None) if half else None, channels_last=ndim >= 4 and i % 2 == 1,
+            affine=i % 5 != 0, bias=i % 7 != 3, momentum=None if i % 3 == 0 else [0.1, 0.5][i % 2],
+            track=i % 6 != 1, steps=2, seed=100 + i,
+        )
+        cases.append(ActCase(base, activation, param))
+    return cases
+
+
+@pytest.mark.parametrize(
+    "case", _grid(), ids=lambda c: f"W{c.base.world}-{c.base.ndim}d-{c.base.dtype}-{c.activation}-{c.base.sizes}"
+)
+def test_matches_oracle(pool, case):
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+# weights where x-hat is lost (0) or badly conditioned (tiny next to the bias), negative
+# weights, and a plain channel; an empty rank in the middle
+HARD_WEIGHT = (0.0, -0.7, 1e-6, 3e-4, 1.2, -1e-3, 1e-30)
+HARD_BIAS = (0.5, 0.3, 2.0, 1.5, -0.2, -3.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.01), ("elu", 1.0), ("identity", 0.01)])
+def test_zero_negative_and_tiny_weights(pool, dtype, activation, param):
+    base = Case(world=3, sizes=(3, 0, 2), tail=(4, 3), channels=7, dtype=dtype, steps=2, seed=5,
+                param_dtype="float32" if dtype in ("bfloat16", "float16") else None)
+    case = ActCase(base, activation, param, weight=HARD_WEIGHT, bias=HARD_BIAS, dy_from_x=1.5)
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_elu_saturated_outputs(pool, dtype):
+    """Pre-activations far below zero: ELU's output is -alpha to the last bit there."""
+    base = Case(world=2, sizes=(4, 3), tail=(5,), channels=4, dtype=dtype, steps=2, seed=9)
+    case = ActCase(base, "elu", 1.0, weight=(1.0, 3.0, -2.0, 0.5), bias=(-30.0, -6.0, -4.0, 0.0), dy_from_x=1.0)
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_input_grad(pool, world):
+    base = Case(world=world, sizes=(3,) * world, input_grad=False, dtype="float64")
+    case = ActCase(base, "elu", 0.5, weight=(0.0, 1.0, -1.0), bias=(1.0, 0.0, 0.5))
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+def test_single_element_ranks(pool):
+    base = Case(world=4, sizes=(1, 1, 0, 1), tail=(), dtype="float64")
+    case = ActCase(base, "leaky_relu", 0.1)
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+def too_few_job(sizes):
+    group = group_of(len(sizes))
+    if not in_group(len(sizes)):
+        return None
+    layer = syncbn.SyncBatchNormAct(3, process_group=group)
+    x = torch.randn(sizes[dist.get_rank()], 3)
+    try:
+        layer(x)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_too_few_values_raise_on_every_rank(pool):
+    for message in pool.run(too_few_job, (1, 0, 0))[:3]:
+        assert message is not None and "more than 1 value per channel" in message
+
+
+# ---- communication ------------------------------------------------------------------
+
+
+def count_job(world, channels, input_grad, phase, zero_weights):
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    layer = syncbn.SyncBatchNormAct(channels, "elu", 1.0, process_group=group)
+    if zero_weights:
+        with torch.no_grad():
+            layer.weight[::2] = 0  # kept channels change what is saved, not what is sent
+    x = (torch.randn(dist.get_rank(), channels, 4, 4) + 3).requires_grad_(input_grad)
+    with record_collectives() as fwd:
+        if phase == "eval":
+            layer.eval()
+        y = layer(x * 1)
+    with record_collectives() as bwd:
+        y.backward(torch.randn_like(y))
+    return {"forward": [(c.op, c.shapes, c.dtypes) for c in fwd], "backward": [(c.op, c.shapes, c.dtypes) for c in bwd]}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("zero_weights", [False, True])
+def test_one_collective_each_way(pool, world, zero_weights):
+    channels = 6
+    for r in pool.run(count_job, world, channels, True, "train", zero_weights)[:world]:
+        assert r["forward"] == [("all_reduce", [[2 * channels + 1]], ["double"])]
+        assert r["backward"] == [("all_reduce", [[2 * channels]], ["float"])]
+
+
+def test_no_backward_collective_without_input_grad(pool):
+    for r in pool.run(count_job, 4, 6, False, "train", False):
+        assert len(r["forward"]) == 1 and r["backward"] == []
+
+
+def test_no_collective_in_eval_or_alone(pool):
+    for r in pool.run(count_job, 4, 6, True, "eval", False):
+        assert r["forward"] == [] and r["backward"] == []
+    r = pool.run(count_job, 1, 6, True, "train", False)[0]
+    assert r["forward"] == [] and r["backward"] == []
+
+
+# ---- one process: the same as torch.nn ----------------------------------------------
+
+
+def _pair(channels, activation, param, dtype=torch.float32, seed=0, **kwargs):
+    """A SyncBatchNormAct and the torch BatchNorm + activation with the same weights."""
+    gen = torch.Generator().manual_seed(seed)
+    ours = syncbn.SyncBatchNormAct(channels, activation, param, **kwargs).to(dtype)
+    bn = nn.BatchNorm2d(channels, **{k: v for k, v in kwargs.items() if k != "process_group"}).to(dtype)
+    with torch.no_grad():
+        if ours.weight is not None:
+            ours.weight.copy_(torch.rand(channels, generator=gen) * 3 - 1.5)
+            ours.bias.copy_(torch.randn(channels, generator=gen))
+    bn.load_state_dict(ours.state_dict())
+    bn._check_input_dim = lambda x: None  # compare on every input rank
+    return ours, nn.Sequential(bn, torch_activation(activation, param))
+
+
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.05), ("elu", 0.7), ("identity", 0.01)])
+@pytest.mark.parametrize("shape", [(6, 5), (3, 5, 7), (2, 5, 4, 3), (2, 5, 3, 2, 2)])
+def test_one_process_equals_torch(activation, param, shape):
+    dtype = torch.float64 if len(shape) % 2 else torch.float32
+    momentum = None if len(shape) < 4 else 0.1
+    ours, ref = _pair(5, activation, param, dtype, momentum=momentum)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = (torch.randn(shape, generator=gen, dtype=dtype) * 2 + 3)
+        if len(shape) == 4 and step == 1:
+            x = x.contiguous(memory_format=torch.channels_last)
+        xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yo, yr = ours(xo * 1), ref(xr * 1)
+        assert max_rel_err(yo.detach().double(), yr.detach().double()) < tol
+        dy = torch.randn(shape, generator=gen, dtype=dtype)
+        yo.backward(dy)
+        yr.backward(dy)
+        assert max_rel_err(xo.grad.double(), xr.grad.double()) < tol
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert max_rel_err(p.grad.double(), q.grad.double()) < tol
+            p.grad = q.grad = None
+    for (k1, v1), (k2, v2) in zip(ours.state_dict().items(), ref[0].state_dict().items()):
+        assert k1 == k2 and max_rel_err(v1.double(), v2.double()) < tol
+    ours.eval()
+    ref.eval()
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    with torch.no_grad():
+        assert max_rel_err(ours(x).double(), ref(x).double()) < tol
+
+
+def test_gradcheck_float64_with_hard_weights():
+    """Finite differences agree, with a zero, a negative and a tiny weight among the channels."""
+    from syncbn.batchnorm_act import _SyncBatchNormAct
+
+    w = torch.tensor([0.0, -0.5, 1e-9, 2.0], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.3, 0.1, 1.0, -0.4], dtype=torch.float64, requires_grad=True)
+    x = (torch.randn(3, 4, 2, dtype=torch.float64) + 2).requires_grad_()
+    for activation, param in [("elu", 0.8), ("leaky_relu", 0.2), ("identity", 0.01)]:
+        fn = lambda x, w, b: _SyncBatchNormAct.apply(x, w, b, None, None, 1e-5, 0.1, None, False, activation, param, False)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (x, w, b), fast_mode=True)
+
+
+def test_batchnorm2d_checkpoint_loads_and_matches():
+    """A state_dict of nn.BatchNorm2d (next to an nn.LeakyReLU) loads as it is."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.BatchNorm2d(6), nn.LeakyReLU(0.1))
+    ref.train()
+    for _ in range(2):
+        ref(torch.randn(4, 6, 3, 3) * 3 + 1)
+    with torch.no_grad():
+        ref[0].weight.uniform_(-2, 2)
+        ref[0].bias.uniform_(-1, 1)
+    ours = syncbn.SyncBatchNormAct(6, "leaky_relu", 0.1)
+    ours.load_state_dict(ref[0].state_dict())
+    assert list(ours.state_dict()) == list(nn.BatchNorm2d(6).state_dict())
+    x = torch.randn(4, 6, 3, 3) + 2
+    ours.eval(), ref.eval()
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    ours.train(), ref.train()
+    torch.testing.assert_close(ours(x * 1), ref(x), rtol=1e-5, atol=1e-5)
+    back = nn.BatchNorm2d(6)
+    back.load_state_dict(ours.state_dict())
+    no_bias = syncbn.SyncBatchNormAct(6, bias=False)
+    assert no_bias.bias is None and list(no_bias.state_dict()) == list(nn.BatchNorm2d(6, bias=False).state_dict())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"activation": "relu"}, "unknown activation 'relu'.*ReLU is not invertible"),
+        ({"activation": "gelu"}, "unknown activation"),
+        ({"activation": None}, "unknown activation"),
+        ({"activation": "leaky_relu", "activation_param": 0.0}, "positive negative slope.*slope 0 is ReLU"),
+        ({"activation": "leaky_relu", "activation_param": -0.1}, "positive negative slope"),
+        ({"activation": "elu", "activation_param": 0.0}, "alpha.*> 0"),
+        ({"activation": "elu", "activation_param": -1.0}, "alpha.*> 0"),
+        ({"activation": "elu", "activation_param": float("nan")}, "finite number"),
+        ({"activation": "leaky_relu", "activation_param": "0.1"}, "finite number"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        syncbn.SyncBatchNormAct(4, **kwargs)
+
+
+def test_bad_input_names_the_problem():
+    layer = syncbn.SyncBatchNormAct(4)
+    with pytest.raises(ValueError, match="2D to 5D"):
+        layer(torch.randn(4))
+    with pytest.raises(ValueError, match="expected 4 channels"):
+        layer(torch.randn(2, 3, 5))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.ones(2, 4, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer(torch.randn(1, 4))
+    assert "activation='leaky_relu', activation_param=0.01" in repr(layer)
+
+
+# ---- in place, and when not -----------------------------------------------------------
+
+
+def _reference_grads(fn, x, layer):
+    """Run fn with a plain BatchNorm2d + activation in place of ``layer``."""
+    bn = nn.BatchNorm2d(layer.num_features)
+    bn.load_state_dict(layer.state_dict())
+    ref = nn.Sequential(bn, torch_activation(layer.activation, layer.activation_param))
+    xr = x.detach().clone().requires_grad_()
+    out = fn(ref, xr)
+    out.backward(torch.ones_like(out))
+    return out.detach(), xr.grad, [p.grad for p in bn.parameters()]
+
+
+def _ours_grads(fn, x, layer):
+    xo = x.detach().clone().requires_grad_()
+    out = fn(layer, xo)
+    out.backward(torch.ones_like(out))
+    return out.detach(), xo.grad, [p.grad for p in layer.parameters()]
+
+
+def _hard_layer(activation="leaky_relu", param=0.1):
+    layer = syncbn.SyncBatchNormAct(4, activation, param)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, -0.5, 0.0, 0.8]))
+        layer.bias.copy_(torch.tensor([0.2, -0.3, 0.4, 0.0]))
+    return layer
+
+
+def _uses(name):
+    """Graphs that hand the layer an input someone else still needs."""
+    w = torch.linspace(0.5, 2, 4).view(1, 4, 1, 1)
+
+    def saved_before(layer, x):  # x * w saves x for its backward, then the layer runs
+        h = x * 2
+        other = h * w
+        return layer(h) + other
+
+    def used_after(layer, x):  # another branch reads h after the layer
+        h = x * 2
+        y = layer(h)
+        return y * 3 + h.sin()
+
+    def leaf(layer, x):
+        return layer(x)
+
+    def view(layer, x):
+        h = x * 2
+        return layer(h[:, :, 1:]).sum(dim=2, keepdim=True) + h[:, :, :1]
+
+    def alias(layer, x):
+        h = x * 2
+        keep = h.detach()
+        return layer(h) + keep
+
+    def saved_output(layer, x):  # exp keeps its own output for backward
+        return layer(torch.exp(x))
+
+    def retained(layer, x):
+        h = x * 2
+        h.retain_grad()
+        y = layer(h)
+        assert h.grad is None
+        return y
+
+    return {"saved_before": saved_before, "used_after": used_after, "leaf": leaf, "view": view,
+            "alias": alias, "saved_output": saved_output, "retained": retained}[name]
+
+
+@pytest.mark.parametrize("use", ["saved_before", "used_after", "leaf", "view", "alias", "saved_output", "retained"])
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 1.0)])
+def test_inputs_needed_elsewhere_are_not_overwritten(use, activation, param):
+    torch.manual_seed(3)
+    x = torch.randn(3, 4, 5, 2) + 1
+    fn = _uses(use)
+    y_ref, dx_ref, dp_ref = _reference_grads(fn, x, _hard_layer(activation, param))
+    layer = _hard_layer(activation, param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, dx, dp = _ours_grads(fn, x, layer)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(dp, dp_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class _Recorder(nn.Module):
+    def forward(self, x):
+        out = x * 1
+        self.ptr = out.data_ptr()
+        return out
+
+
+def test_temporaries_are_overwritten():
+    # (results are taken out of the asserts: pytest's assert rewriting keeps references
+    # to sub-expressions, which rightly makes the layer work out of place)
+    layer = _hard_layer()
+    rec = _Recorder()
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+
+    def overwrote(out):
+        return out.data_ptr() == rec.ptr
+
+    temporary = overwrote(layer(rec(x)))
+    sequential = overwrote(nn.Sequential(rec, layer)(x))
+    with torch.no_grad():
+        no_grad = overwrote(layer(rec(x)))
+    assert temporary and sequential and no_grad
+    held = rec(x)
+    assert not overwrote(layer(held))  # the caller keeps it
+    kept = []
+    hook = rec.register_forward_hook(lambda m, i, o: kept.append(o))
+    assert not overwrote(nn.Sequential(rec, layer)(x))  # a hook keeps it
+    hook.remove()
+    hook = layer.register_forward_hook(lambda m, i, o: None)
+    assert not overwrote(layer(rec(x)))  # the layer's own hooks see its input
+    hook.remove()
+    layer.eval()
+    assert not overwrote(layer(rec(x)))  # eval: plain torch ops
+
+
+def test_retain_graph_backward_twice():
+    layer = _hard_layer("elu", 1.0)
+    x = (torch.randn(3, 4, 6) + 1).requires_grad_()
+    y = layer(x * 1)
+    dy = torch.randn_like(y)
+    first = torch.autograd.grad(y, x, dy, retain_graph=True)[0]
+    second = torch.autograd.grad(y, x, dy)[0]
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), _hard_layer(), nn.Conv2d(4, 4, 1))
+    ref = copy.deepcopy(block)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).square().sum().backward()
+    ref(x.detach().requires_grad_()).square().sum().backward()
+    for p, q in zip(block.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- memory -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.01), ("elu", 1.0)])
+@pytest.mark.parametrize("shape", [(2, 16, 8, 8), (4, 32, 28, 28), (8, 64, 16, 16)])
+def test_saves_at_most_055_of_batchnorm_and_activation(activation, param, shape):
+    """Bytes saved for backward (distinct storages), float32 NCHW."""
+    ours, ref = _pair(shape[1], activation, param)
+    x = torch.randn(shape) + 1
+    theirs = saved_bytes(lambda: ref(x.clone().requires_grad_() * 1))
+    mine = saved_bytes(lambda: ours(x.clone().requires_grad_() * 1))
+    assert mine <= 0.55 * theirs, (mine, theirs)
+
+
+def test_kept_channels_cost_only_their_inputs():
+    shape = (4, 8, 6, 6)
+    x = torch.randn(shape) + 1
+    layer = syncbn.SyncBatchNormAct(8)
+    base = saved_bytes(lambda: layer(x.clone().requires_grad_() * 1))
+    with torch.no_grad():
+        layer.weight[:3] = 0  # three channels cannot be read back from the output
+    kept = saved_bytes(lambda: layer(x.clone().requires_grad_() * 1))
+    per_channel = x[:, :1].numel() * 4
+    assert kept - base == 3 * per_channel + 3 * 8  # their inputs and their indices
+    layer.requires_grad_(False)
+    assert saved_bytes(lambda: layer(x * 1)) == 0  # no gradient needed: nothing saved
+
+
+def test_fused_network_has_lower_peak():
+    torch.manual_seed(0)
+
+    def net():
+        layers = []
+        for _ in range(4):
+            layers += [nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.LeakyReLU(0.1)]
+        return nn.Sequential(*layers)
+
+    plain = net()
+    fused = syncbn.fuse_batchnorm_act(copy.deepcopy(plain))
+    x = torch.randn(8, 16, 24, 24)
+
+    def step(model):
+        model(x.requires_grad_(False) * 1).square().mean().backward()
+
+    assert peak_memory(step, fused) < 0.8 * peak_memory(step, plain)
+
+
+def test_saved_tensors_counts_storages_once():
+    a = torch.randn(10, 10, requires_grad=True)
+    with saved_tensors() as saved:
+        b = a * 2
+        c = b[:5] * b[5:]  # two views of b saved, one storage
+    assert saved.tensors == 2 and saved.storages == 1 and saved.bytes == 400
+    w = nn.Linear(10, 10)
+    with saved_tensors(ignore=[w]) as saved:
+        w(b)
+    assert saved.bytes == 400  # b only: the weight is not counted
+    del c
+
+
+def test_peak_memory_sees_a_temporary():
+    def fn():
+        t = torch.empty(1_000_000)
+        del t
+        return torch.empty(10)
+
+    assert 4_000_000 <= peak_memory(fn) < 4_100_000
+
+
+# ---- fusing and reverting ---------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, act=None):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = act if act is not None else nn.LeakyReLU(0.2)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU()
+        self.bn3 = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = self.act(self.bn(self.conv(x)))  # fusable
+        y = self.bn2(x)
+        x = self.relu(y) + y  # bn2 output used twice: not fusable
+        return F.leaky_relu(self.bn3(x), 0.1)  # functional activation: left alone
+
+
+class _Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block(nn.ELU(0.5))
+        self.seq = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4), nn.LeakyReLU(0.3))
+
+    def forward(self, x):
+        if float(x.detach().mean()) > 100:  # data-dependent: symbolic tracing fails here
+            return x
+        return self.seq(self.block(x))
+
+
+def _randomized(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.uniform_(-1.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    return model
+
+
+def _same_function(a, b, x):
+    for training in (True, False):
+        a.train(training)
+        b.train(training)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = a(xa), b(xb)
+        torch.testing.assert_close(ya, yb, rtol=2e-5, atol=2e-5)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+
+
+def _kinds(model):
+    return [type(m).__name__ for m in model.modules()]
+
+
+def test_fuse_sequential_pairs():
+    model = _randomized(nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1),
+        nn.Sequential(nn.BatchNorm2d(4), nn.ELU(0.7), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.BatchNorm2d(4), nn.Identity(), nn.BatchNorm2d(4), nn.LeakyReLU(0.0), nn.Conv2d(4, 2, 1),
+    ))
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = syncbn.fuse_batchnorm_act(model)
+    assert out is model
+    fused = [m for m in model.modules() if isinstance(m, syncbn.SyncBatchNormAct)]
+    assert [(m.activation, m.activation_param) for m in fused] == [("leaky_relu", 0.1), ("elu", 0.7), ("identity", 0.01)]
+    assert type(model[3][3]) is nn.ReLU and type(model[7]) is nn.LeakyReLU  # ReLU and slope 0 stay
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    _same_function(model, ref, torch.randn(4, 3, 6, 6))
+    back = syncbn.revert_sync_batchnorm(model)
+    assert _kinds(back) == _kinds(ref) and list(back.state_dict()) == keys
+    _same_function(back, ref, torch.randn(4, 3, 6, 6))
+
+
+def test_fuse_through_fx_and_untraceable_models():
+    for model in (_Block(), _Untraceable()):
+        model = _randomized(model)
+        ref = copy.deepcopy(model)
+        keys = list(model.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            syncbn.fuse_batchnorm_act(model)
+        kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+        prefix = "block." if isinstance(model, _Untraceable) else ""
+        assert kinds[prefix + "bn"] == "SyncBatchNormAct"  # traced (for _Untraceable: its child)
+        assert kinds[prefix + "act"] == "_FusedActivation"
+        assert kinds[prefix + "bn2"] == kinds[prefix + "bn3"] == "BatchNorm2d"
+        if prefix:
+            assert [kinds[f"seq.{i}"] for i in range(5)] == [
+                "Conv2d", "BatchNorm2d", "ReLU", "SyncBatchNormAct", "_FusedActivation"]
+        assert list(model.state_dict()) == keys
+        _same_function(model, ref, torch.randn(3, 4, 5, 5))
+        back = syncbn.revert_sync_batchnorm(model)
+        assert _kinds(back) == _kinds(ref) and list(back.state_dict()) == keys
+
+
+def test_shared_activation_fuses_only_when_every_use_does():
+    class Shared(nn.Module):
+        def __init__(self, second_bn):
+            super().__init__()
+            self.bn1, self.act = nn.BatchNorm1d(3), nn.LeakyReLU(0.1)
+            self.other = nn.BatchNorm1d(3) if second_bn else nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.act(self.other(self.act(self.bn1(x))))
+
+    both = syncbn.fuse_batchnorm_act(Shared(True))
+    assert isinstance(both.bn1, syncbn.SyncBatchNormAct) and isinstance(both.other, syncbn.SyncBatchNormAct)
+    one = syncbn.fuse_batchnorm_act(Shared(False))
+    assert type(one.bn1) is nn.BatchNorm1d and type(one.act) is nn.LeakyReLU
+
+
+def test_convert_leaves_the_fused_layer_alone_and_revert_splits_it():
+    layer = _randomized(nn.Sequential(syncbn.SyncBatchNormAct(4, "elu", 0.5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert syncbn.convert_sync_batchnorm(layer)[0] is layer[0]
+    x = torch.randn(3, 4, 2, 2)
+    layer.eval()
+    expected = layer(x)
+    back = syncbn.revert_sync_batchnorm(layer)
+    assert [type(m) for m in back[0]] == [nn.BatchNorm2d, nn.ELU] and back[0][1].alpha == 0.5
+    torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+    converted = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4), nn.LeakyReLU(0.2)))
+    fused = syncbn.fuse_batchnorm_act(converted)
+    assert isinstance(fused[0], syncbn.SyncBatchNormAct)
+    assert type(syncbn.revert_sync_batchnorm(fused)[0]) is nn.BatchNorm2d
