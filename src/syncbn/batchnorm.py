@@ -10,12 +10,16 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
-from .functional import check_input, sync_batch_norm
+from .functional import check_input, recomputing, sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
 
 # torch.nn's batch norms take a keyword-only ``bias`` in recent releases only
 _BIAS_KEYWORD = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
+
+def _copy(buffer):
+    return None if buffer is None else buffer.clone()
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -34,6 +38,12 @@ class SyncBatchNorm(_BatchNorm):
     The running buffers are updated with the global statistics (variance unbiased by the
     global count), so they stay identical on every rank. ``momentum=None`` keeps a
     cumulative average over ``num_batches_tracked``.
+
+    Under activation checkpointing (``torch.utils.checkpoint``) the forward that is
+    recomputed during the backward pass normalizes exactly as the first one did (same
+    batch statistics, same collective on every rank) but leaves the running buffers and
+    ``num_batches_tracked`` alone: they move once per real forward, as without
+    checkpointing.
 
     Eval mode never communicates: it uses the running statistics, or, with
     ``track_running_stats=False``, the local batch statistics (as
@@ -67,9 +77,10 @@ class SyncBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: Tensor) -> None:
         check_input(input, self.num_features, type(self).__name__)
 
-    def _momentum(self, syncing: bool):
-        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``."""
-        if not (self.training and self.track_running_stats):
+    def _momentum(self, syncing: bool, count: bool = True):
+        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``
+        (unless ``count`` is False: a checkpoint recomputation)."""
+        if not (self.training and self.track_running_stats and count):
             return 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -86,10 +97,14 @@ class SyncBatchNorm(_BatchNorm):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         # Only a module in training mode communicates; eval with batch statistics stays local.
         syncing = bn_training and self.training and distributed.group_size(self.process_group) > 1
-        momentum = self._momentum(syncing)
+        # a checkpoint's recomputed forward: same normalization, no second count
+        again = self.training and recomputing()
+        momentum = self._momentum(syncing, count=not again)
         track = not bn_training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
+        if again:  # ... and its buffer update lands in throwaway copies (see recomputing)
+            running_mean, running_var = _copy(running_mean), _copy(running_var)
         if not syncing:
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, bn_training, momentum, self.eps

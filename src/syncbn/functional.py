@@ -15,6 +15,13 @@ local sums, to be averaged by the data-parallel wrapper.
 One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
 the input needs no gradient), whatever the world size. Not distributed, a group of
 one, or not training: exactly ``torch.nn.functional.batch_norm``.
+
+``torch.compile(..., fullgraph=True)`` traces all of it without a graph break: the
+autograd Function, its functional all-reduce each way, the running-buffer update (an
+input mutation the compiler writes back) and the local-moment kernel (through the
+``syncbn::pack_moments`` custom op). The one host read of the eager path, the count
+check of a rank holding at most one element per channel, becomes an assert inside the
+graph.
 """
 
 from __future__ import annotations
@@ -28,7 +35,76 @@ from torch.autograd.function import once_differentiable
 
 from . import distributed, stats
 
-__all__ = ["sync_batch_norm", "check_input"]
+__all__ = ["sync_batch_norm", "check_input", "recomputing"]
+
+
+def recomputing() -> bool:
+    """True while the autograd engine is running a backward pass in this thread.
+
+    A training-mode forward that runs then is an activation-checkpoint recomputation
+    (``torch.utils.checkpoint``, reentrant or not, recomputes from inside the backward
+    pass). Such a forward must produce the same output as the first one, which it does
+    (the batch statistics are recomputed, with the same collective on every rank), but
+    must not move the running statistics a second time: the layers then hand copies of
+    their buffers to the kernels (not None, which would change what the kernels save for
+    backward, and non-reentrant checkpointing checks that the recomputation saves the
+    same tensors). Under ``torch.compile`` this is False: there the compiler plans the
+    recomputation itself; it applies buffer mutations once per forward and may replay
+    the forward all-reduce in backward, on every rank alike (checked with a
+    checkpointed block compiled with ``fullgraph=True``: same buffers and gradients as
+    eager without checkpointing).
+    """
+    if distributed.compiling():
+        return False
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+# The local moments come from a native kernel that torch 2.13 cannot trace with fake
+# tensors. Under torch.compile the packing is called through this custom op instead: one
+# opaque kernel for the compiler, the same code as eager (stats.pack_moments). A torch
+# without torch.library.custom_op (before 2.4) traces stats.pack_moments directly, and
+# torch.compile without fullgraph then falls back to eager for it (a graph break).
+def _pack_moments_eager(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return stats.pack_moments(x, dtype)
+
+
+_pack_moments_op = None
+if hasattr(torch.library, "custom_op"):
+    _pack_moments_op = torch.library.custom_op("syncbn::pack_moments", mutates_args=())(_pack_moments_eager)
+
+    @_pack_moments_op.register_fake
+    def _(x: Tensor, dtype: torch.dtype) -> Tensor:
+        return x.new_empty(2 * x.shape[1] + 1, dtype=dtype)
+
+
+def _pack_moments(x: Tensor, dtype: torch.dtype) -> Tensor:
+    if _pack_moments_op is not None and distributed.compiling():
+        return _pack_moments_op(x, dtype)
+    return stats.pack_moments(x, dtype)
+
+
+def _check_count(count: Tensor, n: int, shape) -> None:
+    """Raise on every rank when the group holds at most one value per channel.
+
+    Only a rank that holds at most one element per channel can live in a group whose
+    global count is <= 1; ranks with more know the count is fine. So the ranks that read
+    the count are exactly the ranks that may have to raise, and when the count is too
+    small they all read it and all raise. Under torch.compile the host read would break
+    the graph: there the check is an asynchronous assert in the graph instead (raised
+    where the compiled kernel runs, on the same ranks).
+    """
+    if n > 1:
+        return
+    if distributed.compiling():
+        torch._assert_async(count > 1, "Expected more than 1 value per channel when training across the process group")
+        return
+    if int(count.item()) <= 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training across the process "
+            f"group, got {int(count.item())} value(s) per channel in total "
+            f"(local input shape {tuple(shape)})"
+        )
 
 
 def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_batch_norm") -> None:
@@ -68,20 +144,10 @@ class _SyncBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
-        packed = stats.pack_moments(x, stats.accumulate_dtype(x.device))
+        packed = _pack_moments(x, stats.accumulate_dtype(x.device))
         packed = distributed.all_reduce_sum(packed, group)
         count, mean, var = stats.merge_moments(packed, channels)
-
-        # Only a rank that holds at most one element per channel can live in a group
-        # whose global count is <= 1; ranks with more know the count is fine. So the
-        # ranks that read the count are exactly the ranks that may have to raise, and
-        # when the count is too small they all read it and all raise.
-        if n <= 1 and int(count.item()) <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training across the process "
-                f"group, got {int(count.item())} value(s) per channel in total "
-                f"(local input shape {tuple(x.shape)})"
-            )
+        _check_count(count, n, x.shape)
 
         if running_mean is not None or running_var is not None:
             stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
@@ -146,9 +212,17 @@ def sync_batch_norm(
     In training with a group of more than one rank, every rank must call this for the
     same layer in the same order: each call is one all-reduce forward and one backward.
     An empty local batch is allowed (it still takes part); a global count of at most
-    one element per channel raises ``ValueError`` on every rank.
+    one element per channel raises ``ValueError`` on every rank (under ``torch.compile``,
+    a ``RuntimeError`` from an assert inside the compiled graph, see ``_check_count``).
+
+    A training call recomputed by activation checkpointing during the backward pass
+    (see :func:`recomputing`) normalizes as the first call did and leaves the running
+    buffers alone, so they are updated once per step, as without checkpointing.
     """
     check_input(input, None if running_mean is None else running_mean.shape[0])
+    if training and recomputing():  # activation checkpointing: the buffers moved already
+        running_mean = None if running_mean is None else running_mean.clone()
+        running_var = None if running_var is None else running_var.clone()
     if not training or distributed.group_size(process_group) == 1:
         if isinstance(momentum, Tensor):
             momentum = float(momentum)

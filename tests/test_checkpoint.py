@@ -1,0 +1,120 @@
+"""Activation checkpointing: the forward recomputed during backward normalizes as the first
+one did and does not move the running statistics again. W = 2, float64: training with and
+without checkpointing ends with the same parameters, gradients and buffers, and both
+ranks issue the same sequence of collectives."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import syncbn
+from syncbn.traffic import record_collectives
+from workers import group_of, in_group
+
+WORLD, PER_RANK, STEPS = 2, 3, 4
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout, momentum=0.1):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(cout, momentum=momentum)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class Net(nn.Module):
+    """Two blocks, the second with a cumulative-average BN (momentum None), which would
+    show a doubled ``num_batches_tracked`` at once."""
+
+    def __init__(self, ckpt=None):
+        super().__init__()
+        self.ckpt = ckpt  # None, or use_reentrant for torch.utils.checkpoint
+        self.block1 = Block(3, 4)
+        self.block2 = Block(4, 4, momentum=None)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block in (self.block1, self.block2):
+            if self.ckpt is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.ckpt)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def make(ckpt, group):
+    torch.manual_seed(0)
+    return syncbn.convert_sync_batchnorm(Net(ckpt), process_group=group).double()
+
+
+def data(step, rank):
+    gen = torch.Generator().manual_seed(10 * step + rank)
+    x = torch.randn(PER_RANK, 3, 5, 5, generator=gen, dtype=torch.float64) * 2 + 1
+    dy = torch.randn(PER_RANK, 2, generator=gen, dtype=torch.float64)
+    return x, dy
+
+
+def train_job(ckpt):
+    group = group_of(WORLD)
+    if not in_group(WORLD):
+        return None
+    rank = dist.get_rank()
+    model = make(ckpt, group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    collectives = []
+    for step in range(STEPS):
+        x, dy = data(step, rank)
+        # the input needs no gradient: with use_reentrant=True the block's gradients
+        # would then be dropped, so let the input carry one in every variant alike
+        x.requires_grad_()
+        opt.zero_grad()
+        with record_collectives() as calls:
+            model(x).backward(dy)
+        collectives.append([(c.op, c.shapes) for c in calls])
+        for p in model.parameters():  # the data-parallel average of the local gradients
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= WORLD
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    return {"state": state, "grads": grads, "collectives": collectives}
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_training_equals_plain_training(pool, use_reentrant):
+    plain = pool.run(train_job, None)[:WORLD]
+    ckpt = pool.run(train_job, use_reentrant)[:WORLD]
+    for rank in range(WORLD):
+        for key, ref in plain[rank]["state"].items():
+            torch.testing.assert_close(ckpt[rank]["state"][key], ref, rtol=1e-12, atol=1e-12, msg=key)
+        for key, ref in plain[rank]["grads"].items():
+            torch.testing.assert_close(ckpt[rank]["grads"][key], ref, rtol=1e-12, atol=1e-12, msg=key)
+    assert int(ckpt[0]["state"]["block2.bn.num_batches_tracked"]) == STEPS
+    for key, value in ckpt[0]["state"].items():
+        assert torch.equal(value, ckpt[1]["state"][key]), key
+    # the same collectives, in the same order, on both ranks
+    assert ckpt[0]["collectives"] == ckpt[1]["collectives"]
+    # per step and layer: one all-reduce forward, one backward, and one more forward when
+    # the layer's forward is recomputed (2 layers)
+    assert [len(c) for c in plain[0]["collectives"]] == [4] * STEPS
+    assert [len(c) for c in ckpt[0]["collectives"]] == [6] * STEPS
+
+
+def test_single_process_checkpoint_updates_once():
+    """Without torch.distributed the layer is plain batch norm, and still counts once."""
+    torch.manual_seed(0)
+    plain = syncbn.convert_sync_batchnorm(Net(None)).double()
+    torch.manual_seed(0)
+    ckpt = syncbn.convert_sync_batchnorm(Net(False)).double()
+    for step in range(STEPS):
+        x, dy = data(step, 0)
+        for model in (plain, ckpt):
+            model(x.clone().requires_grad_()).backward(dy)
+    for key, ref in plain.state_dict().items():
+        torch.testing.assert_close(ckpt.state_dict()[key], ref, rtol=1e-12, atol=1e-12, msg=key)
+    for (key, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=key)

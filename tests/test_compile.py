@@ -1,0 +1,86 @@
+"""torch.compile(model, fullgraph=True) of a converted model: a training step (forward
+and backward) on CPU with gloo, W = 2, ends where eager ends, with one all-reduce each
+way per layer call inside the compiled graphs.
+
+Compiling costs tens of seconds on two cores, so there is one compiled model (tiny, the
+default inductor backend) and one compile per worker for the whole test."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import syncbn
+from syncbn.traffic import record_collectives
+from workers import group_of, in_group
+
+WORLD, STEPS = 2, 3
+SIZES = (3, 2)  # uneven local batches
+
+
+def tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4, momentum=None),  # cumulative average: a tensor momentum
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 2),
+    ).double()
+
+
+def data(step, rank):
+    gen = torch.Generator().manual_seed(31 * step + rank)
+    x = torch.randn(SIZES[rank], 3, 4, 4, generator=gen, dtype=torch.float64) * 3 + 2
+    dy = torch.randn(SIZES[rank], 2, generator=gen, dtype=torch.float64)
+    return x, dy
+
+
+def train(model, step_fn, rank):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outs, counts = [], []
+    for step in range(STEPS):
+        x, dy = data(step, rank)
+        opt.zero_grad()
+        with record_collectives() as calls:
+            y = step_fn(x)
+            y.backward(dy)
+        counts.append([c.op for c in calls])
+        outs.append(y.detach().clone())
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    return {"outs": outs, "state": state, "grads": grads, "collectives": counts}
+
+
+def compile_job():
+    import torch._dynamo
+
+    group = group_of(WORLD)
+    if not in_group(WORLD):
+        return None
+    rank = dist.get_rank()
+    eager = syncbn.convert_sync_batchnorm(tiny(), process_group=group)
+    compiled_model = syncbn.convert_sync_batchnorm(tiny(), process_group=group)
+    torch._dynamo.reset()
+    step = torch.compile(compiled_model, fullgraph=True)  # raises on any graph break
+    return {"eager": train(eager, eager, rank), "compiled": train(compiled_model, step, rank)}
+
+
+def test_compiled_training_step_equals_eager(pool):
+    results = pool.run(compile_job, timeout=600)[:WORLD]
+    tol = dict(rtol=1e-9, atol=1e-9)
+    for rank, r in enumerate(results):
+        eager, compiled = r["eager"], r["compiled"]
+        for a, b in zip(compiled["outs"], eager["outs"]):
+            torch.testing.assert_close(a, b, **tol)
+        for key, ref in eager["state"].items():
+            torch.testing.assert_close(compiled["state"][key], ref, **tol, msg=key)
+        for key, ref in eager["grads"].items():
+            torch.testing.assert_close(compiled["grads"][key], ref, **tol, msg=key)
+        assert int(compiled["state"]["1.num_batches_tracked"]) == STEPS
+        # one all-reduce forward and one backward per step, compiled as in eager
+        assert eager["collectives"] == [["all_reduce", "all_reduce"]] * STEPS
+        assert compiled["collectives"] == eager["collectives"], rank
+    # no gradient averaging here, so only the buffers are shared by the two ranks
+    for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        assert torch.equal(results[0]["compiled"]["state"][key], results[1]["compiled"]["state"][key]), key
