@@ -1,0 +1,110 @@
+"""Communication per layer call: counted in a real run, and modelled for any W.
+
+Counted: inside a worker of a gloo process group, one ``syncbn.SyncBatchNorm`` call
+runs under :func:`syncbn.traffic.record_collectives`, which lists the collectives the
+process group itself executed (not what syncbn believes it sends), forward and
+backward separately, plus an eval-mode call, which must send nothing.
+
+Modelled, per rank and per layer call, for W from 2 to 1024, with the bytes on the
+wire of the usual bandwidth-optimal algorithms (:func:`syncbn.traffic.wire_bytes`):
+
+- syncbn: all_reduce of ``2C + 1`` float64 forward, all_reduce of ``2C`` values of
+  the compute dtype (float32) backward; the payload does not depend on W and the wire
+  bytes stay below twice the payload.
+- ``torch.nn.SyncBatchNorm``: all_gather of ``2C + 1`` float32 per rank forward
+  (mean, invstd, count), all_reduce of ``2C`` float32 backward; each rank receives the
+  other ranks' ``W - 1`` packs.
+
+The model of syncbn is checked against the counted payloads at the W the run reached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import List
+
+from ..traffic import wire_bytes
+
+__all__ = ["count_layer_collectives", "syncbn_model", "torch_syncbn_model", "table"]
+
+
+def count_layer_collectives(channels: int, group=None) -> dict:
+    """Collectives of one training call (forward, backward) and one eval call of a
+    ``SyncBatchNorm(channels)`` on this rank's ``group``; run it on every rank."""
+    import torch
+
+    from ..batchnorm import SyncBatchNorm
+    from ..distributed import group_size
+    from ..traffic import record_collectives
+
+    world = group_size(group)
+    layer = SyncBatchNorm(channels, process_group=group)
+    x = (torch.randn(2, channels, 4, 4) + 1.0).requires_grad_()
+    layer(x).backward(torch.randn(2, channels, 4, 4))  # warm-up: lazy state of the group
+
+    with record_collectives() as forward:
+        y = layer(x)
+    dy = torch.randn_like(y)
+    with record_collectives() as backward:
+        y.backward(dy)
+    layer.eval()
+    with record_collectives() as evaluation, torch.no_grad():
+        layer(x)
+
+    def describe(calls) -> dict:
+        return {
+            "count": len(calls),
+            "calls": [asdict(c) for c in calls],
+            "payload_bytes": sum(c.payload_bytes for c in calls),
+            "wire_bytes": sum(wire_bytes(c.op, c.payload_bytes, world) for c in calls),
+        }
+
+    return {"world": world, "channels": channels, "forward": describe(forward),
+            "backward": describe(backward), "eval": describe(evaluation)}
+
+
+def syncbn_model(world: int, channels: int) -> dict:
+    fwd = (2 * channels + 1) * 8
+    bwd = 2 * channels * 4
+    return {
+        "forward_collectives": 1, "backward_collectives": 1,
+        "forward_payload_bytes": fwd, "backward_payload_bytes": bwd,
+        "forward_wire_bytes": wire_bytes("all_reduce", fwd, world),
+        "backward_wire_bytes": wire_bytes("all_reduce", bwd, world),
+    }
+
+
+def torch_syncbn_model(world: int, channels: int) -> dict:
+    fwd = (2 * channels + 1) * 4
+    bwd = 2 * channels * 4
+    return {
+        "forward_collectives": 1, "backward_collectives": 1,
+        "forward_payload_bytes": fwd, "backward_payload_bytes": bwd,
+        "forward_wire_bytes": wire_bytes("all_gather", fwd, world),
+        "backward_wire_bytes": wire_bytes("all_reduce", bwd, world),
+    }
+
+
+def table(worlds: List[int], channels: int, counted: List[dict]) -> List[dict]:
+    """One row per W: modelled bytes per rank (sent, = received) of both algorithms,
+    with the counted figures where the run reached that W."""
+    by_world = {c["world"]: c for c in counted if c["channels"] == channels}
+    rows = []
+    for w in worlds:
+        ours, theirs = syncbn_model(w, channels), torch_syncbn_model(w, channels)
+        row = {
+            "world": w, "channels": channels,
+            "syncbn_wire_bytes": ours["forward_wire_bytes"] + ours["backward_wire_bytes"],
+            "syncbn_payload_bytes": ours["forward_payload_bytes"] + ours["backward_payload_bytes"],
+            "torch_syncbn_wire_bytes": theirs["forward_wire_bytes"] + theirs["backward_wire_bytes"],
+            "source": "model",
+        }
+        seen = by_world.get(w)
+        if seen is not None:
+            row["source"] = "counted"
+            row["syncbn_wire_bytes"] = seen["forward"]["wire_bytes"] + seen["backward"]["wire_bytes"]
+            row["syncbn_payload_bytes"] = seen["forward"]["payload_bytes"] + seen["backward"]["payload_bytes"]
+            row["counted_collectives"] = [seen["forward"]["count"], seen["backward"]["count"]]
+        row["ratio_torch_over_syncbn"] = row["torch_syncbn_wire_bytes"] / row["syncbn_wire_bytes"]
+        rows.append(row)
+    return rows

@@ -1,0 +1,195 @@
+"""Memory: bytes saved for backward per BN + activation block, and the peak resident
+memory of one training step of the demo network.
+
+Both run in the torch peer's worker processes, on the ranks of a process group of two
+(so syncbn's synchronized path is the one measured), with an allocator that returns
+every large block to the system when it is freed (see ``torch_peer``):
+
+- saved bytes: the tensors autograd keeps between forward and backward, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` (each storage once, whole), for a block
+  BN -> LeakyReLU(0.01) on an input of (batch, C, size, size), float32: plain torch,
+  syncbn, and the fused ``syncbn.SyncBatchNormAct`` (which needs an invertible
+  activation, hence LeakyReLU rather than ReLU);
+- peak memory: the rise of the resident set (``VmHWM`` after the step minus ``VmRSS``
+  before it, the high-water mark reset through ``/proc/self/clear_refs``) over one
+  forward, loss, backward and SGD step of :class:`syncbn.models.TinyUNet` with
+  LeakyReLU activations, after a warm-up step, on rank 0; the variants are measured in
+  turn, twice, and the second round is reported. Linux only; elsewhere the figure is
+  reported as not available.
+
+The fused rows are measured when ``syncbn.SyncBatchNormAct`` and
+``syncbn.fuse_batchnorm_act`` can be imported, and reported as not available with the
+reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+__all__ = ["saved_bytes", "block_rows", "peak_step_rows"]
+
+
+def saved_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs."""
+    import torch
+
+    seen = {}
+
+    def pack(tensor):
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+LEAKY_SLOPE = 0.01  # the fused layer takes invertible activations: LeakyReLU(0.01) here
+
+
+def block_rows(spec: dict, group=None) -> list:
+    """Saved bytes per BN + LeakyReLU block, plain, synchronized and fused; run on every
+    rank of ``group`` (the layers communicate)."""
+    import torch
+    import torch.nn as nn
+
+    from ..batchnorm import SyncBatchNorm
+
+    c, n, s = spec["channels"], spec["batch"], spec["size"]
+    input_bytes = n * c * s * s * 4
+    leaky = lambda inplace=False: nn.LeakyReLU(LEAKY_SLOPE, inplace=inplace)  # noqa: E731
+    blocks = {
+        "torch.nn.BatchNorm2d + LeakyReLU": lambda: nn.Sequential(nn.BatchNorm2d(c), leaky()),
+        "torch.nn.BatchNorm2d + LeakyReLU(inplace=True)": lambda: nn.Sequential(nn.BatchNorm2d(c), leaky(True)),
+        "syncbn.SyncBatchNorm + LeakyReLU": lambda: nn.Sequential(SyncBatchNorm(c, process_group=group), leaky()),
+        "syncbn.SyncBatchNormAct(leaky_relu), fused": None,
+    }
+    try:
+        from ..batchnorm_act import SyncBatchNormAct
+
+        blocks["syncbn.SyncBatchNormAct(leaky_relu), fused"] = lambda: SyncBatchNormAct(
+            c, "leaky_relu", LEAKY_SLOPE, process_group=group)
+        reason = None
+    except ImportError as exc:
+        reason = f"syncbn.SyncBatchNormAct is not available: {exc}"
+    rows = []
+    for name, build in blocks.items():
+        if build is None:
+            rows.append({"block": name, "available": False, "reason": reason, "input_bytes": input_bytes})
+            continue
+        block = build()
+        x = (torch.randn(n, c, s, s) + 1).requires_grad_()
+        nbytes = saved_bytes(lambda: block(x).sum().backward())
+        rows.append({"block": name, "saved_bytes": nbytes, "input_bytes": input_bytes, "available": True,
+                     "ratio_to_input": nbytes / input_bytes})
+    return rows
+
+
+# --------------------------------------------------------------------------- peak RSS
+
+
+def _status_kib() -> Optional[dict]:
+    try:
+        with open("/proc/self/status") as fh:
+            values = {}
+            for line in fh:
+                if line.startswith(("VmHWM:", "VmRSS:")):
+                    key, value = line.split(":")
+                    values[key] = int(value.split()[0])
+            return values if len(values) == 2 else None
+    except OSError:
+        return None
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _demo_models(spec: dict, group):
+    """name -> (builder or None, reason when not available). The demo network with its
+    activations made LeakyReLU(0.01) (the fused layer needs an invertible one)."""
+    import torch.nn as nn
+
+    from ..convert import convert_sync_batchnorm
+    from ..models import build_segmentation_model
+
+    def plain():
+        model = build_segmentation_model(0, width=spec.get("model_width", 16), activation="relu")
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if isinstance(child, nn.ReLU):
+                    setattr(parent, name, nn.LeakyReLU(LEAKY_SLOPE, inplace=True))
+        return model
+
+    def converted():
+        return convert_sync_batchnorm(plain(), process_group=group)
+
+    models = {"torch.nn.BatchNorm2d + LeakyReLU (as built)": (plain, None),
+              "syncbn.SyncBatchNorm + LeakyReLU (convert_sync_batchnorm)": (converted, None)}
+    name = "syncbn.SyncBatchNormAct, fused (+ fuse_batchnorm_act)"
+    try:
+        from ..convert import fuse_batchnorm_act
+
+        models[name] = (lambda: fuse_batchnorm_act(converted(), process_group=group), None)
+    except ImportError as exc:
+        models[name] = (None, f"syncbn.fuse_batchnorm_act is not available: {exc}")
+    return models
+
+
+def _count_fused(model) -> int:
+    return sum(type(m).__name__ == "SyncBatchNormAct" for m in model.modules())
+
+
+def peak_step_rows(spec: dict, group=None) -> Optional[list]:
+    """Peak resident memory of a demo-network training step, per variant; run on every
+    rank of ``group``, rows returned on rank 0."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    n, s = spec["model_batch"], spec["model_size"]
+    rows = {}
+    for round_ in range(spec.get("rounds", 2)):  # the variants in turn, twice: the last round is reported
+        for name, (build, reason) in _demo_models(spec, group).items():
+            if build is None:
+                rows[name] = {"model": name, "available": False, "reason": reason}
+                continue
+            try:
+                model = build()
+            except Exception as exc:
+                rows[name] = {"model": name, "available": False, "reason": f"could not build: {exc!r}"}
+                continue
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            gen = torch.Generator().manual_seed(rank)
+            x = torch.randn(n, 1, s, s, generator=gen)
+            target = torch.randint(0, 11, (n, s, s), generator=gen)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), target)
+                loss.backward()
+                opt.step()
+
+            step()  # warm-up: optimizer state, allocator, autograd caches
+            if _status_kib() is None or not _reset_high_water():
+                rows[name] = {"model": name, "available": False, "reason": "needs Linux /proc/self/status and clear_refs"}
+                continue
+            before = _status_kib()
+            step()
+            after = _status_kib()
+            rise = (after["VmHWM"] - before["VmRSS"]) * 1024
+            previous = rows.get(name, {}).get("rounds", [])
+            rows[name] = {"model": name, "available": True, "batch": n, "size": s, "peak_rise_bytes": rise,
+                          "peak_rss_bytes": after["VmHWM"] * 1024, "rounds": previous + [rise],
+                          "fused_layers": _count_fused(model)}
+            del model, opt, step
+    return list(rows.values()) if rank == 0 else None

@@ -1,0 +1,96 @@
+"""Numerics: the relative error of the merged batch variance against float64.
+
+Every implementation sees the same float32 data, drawn here with NumPy from a fixed
+seed: W shards of shape (batch, C, size, size), channel c of mean ``offset * (1 + c/C)``
+and standard deviation about 1, so ``|mean| / std`` is about ``offset``. The reference
+is the biased variance, in float64, of the concatenation of the float32 shards (so
+only the implementation's arithmetic is measured, not the rounding of the data).
+
+The variance each implementation *uses* is read back through its public surface, with
+the moving-average weight of the new batch set to 1 so that the running buffer holds
+the batch statistic (torch stores it unbiased: multiplied back by (n - 1) / n in
+float64). The error of a layer is the largest over the channels.
+
+This module is imported by the Keras and Flax peers: it imports NumPy only, and torch
+inside the functions that run in the torch peer.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+__all__ = ["shards", "reference_variance", "relative_error", "naive_variance", "torch_variances"]
+
+SEED = 1234
+
+
+def shards(offset: float, world: int, batch: int, channels: int, size: int) -> List[np.ndarray]:
+    """``world`` float32 arrays of shape (batch, channels, size, size), NCHW."""
+    rng = np.random.default_rng(SEED)
+    means = offset * (1.0 + np.arange(channels) / channels)
+    out = []
+    for _ in range(world):
+        z = rng.standard_normal((batch, channels, size, size))
+        out.append((means[None, :, None, None] + z).astype(np.float32))
+    return out
+
+
+def _channels_first_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """(C, everything else) view of the concatenated NCHW shards."""
+    x = np.concatenate(parts, axis=0)
+    return np.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
+
+
+def reference_variance(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Biased per-channel variance of the concatenation, in float64 (two-pass)."""
+    rows = _channels_first_rows(parts).astype(np.float64)
+    return rows.var(axis=1)
+
+
+def naive_variance(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``E[x^2] - E[x]^2`` with float32 sums (NumPy's pairwise summation), the one-pass
+    formula of Keras's synchronized BN and Flax's default."""
+    rows = _channels_first_rows(parts)
+    mean = rows.mean(axis=1, dtype=np.float32)
+    mean_sq = (rows * rows).mean(axis=1, dtype=np.float32)
+    return mean_sq - mean * mean
+
+
+def relative_error(variance, reference) -> float:
+    """Largest per-channel ``|var - ref| / ref``."""
+    v = np.asarray(variance, dtype=np.float64).reshape(-1)
+    r = np.asarray(reference, dtype=np.float64).reshape(-1)
+    return float(np.max(np.abs(v - r) / r))
+
+
+def torch_variances(spec: dict, world: int, group=None) -> dict:
+    """Run on every rank of ``group`` (W = ``world`` ranks): the relative error of the
+    variance ``syncbn.SyncBatchNorm`` merges across the ranks, per offset. Rank 0 also
+    adds ``torch.nn.BatchNorm2d`` on the concatenated batch in one process and the
+    naive float32 formula. Returns ``{impl: {offset: error}}`` (on rank 0; others None)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..batchnorm import SyncBatchNorm
+
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    errors = {"syncbn": {}, "torch_bn_one_process": {}, "naive_float32": {}}
+    for offset in spec["offsets"]:
+        parts = shards(offset, world, spec["batch"], spec["channels"], spec["size"])
+        ref = reference_variance(parts)
+        count = world * parts[0].size // parts[0].shape[1]
+
+        layer = SyncBatchNorm(spec["channels"], momentum=1.0, process_group=group)
+        layer(torch.from_numpy(parts[rank]))
+        var = layer.running_var.double().numpy() * (count - 1) / count
+        errors["syncbn"][str(offset)] = relative_error(var, ref)
+
+        if rank == 0:
+            bn = torch.nn.BatchNorm2d(spec["channels"], momentum=1.0)
+            bn(torch.from_numpy(np.concatenate(parts)))
+            var = bn.running_var.double().numpy() * (count - 1) / count
+            errors["torch_bn_one_process"][str(offset)] = relative_error(var, ref)
+            errors["naive_float32"][str(offset)] = relative_error(naive_variance(parts), ref)
+    return errors if rank == 0 else None

@@ -1,0 +1,92 @@
+"""Starting a peer: one implementation's measurements in a fresh Python process.
+
+Each peer process gets the plan as a JSON file and writes its results to another; it
+runs in its own session so that a timeout kills it and everything it started. Nothing
+here imports a deep-learning framework.
+
+CPU budget: a peer with W replicas gets W x T threads in all, whether it runs W
+processes of T threads (torch + gloo) or one process of W replicas (TensorFlow's
+MirroredStrategy over logical CPU devices, JAX's pmap over host devices). A
+one-process peer is also pinned to ``min(W x T, cores)`` cores (:func:`limit_cpus`),
+since JAX has no documented thread-count setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["run_peer", "limit_cpus", "cpu_count", "load_average"]
+
+
+def cpu_count() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> Optional[list]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def limit_cpus(count: int) -> Optional[list]:
+    """Pin this process (and the threads it starts later) to ``count`` of its cores."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    chosen = allowed[: max(1, min(count, len(allowed)))]
+    os.sched_setaffinity(0, chosen)
+    return chosen
+
+
+def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), env: Optional[dict] = None,
+             log_path: Optional[Path] = None) -> dict:
+    """Run ``python -m module --plan P --out R *args``; returns what happened and the
+    peer's result (None if it wrote none)."""
+    with tempfile.TemporaryDirectory(prefix="syncbn-bench-") as tmp:
+        plan_path, out_path = Path(tmp) / "plan.json", Path(tmp) / "result.json"
+        plan_path.write_text(json.dumps(plan))
+        full_env = dict(os.environ)
+        full_env.update(PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+                        OMP_NUM_THREADS=str(plan["threads"]))
+        full_env.update(env or {})
+        cmd = [sys.executable, "-m", module, "--plan", str(plan_path), "--out", str(out_path), *map(str, args)]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        timed_out = False
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            output, _ = proc.communicate()
+        seconds = time.perf_counter() - start
+        result = json.loads(out_path.read_text()) if out_path.exists() else None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(f"$ {' '.join(cmd[1:3])} {' '.join(map(str, args))}\n{output}")
+    lines = [line for line in (output or "").splitlines() if not line.startswith("USDT:")]
+    return {
+        "returncode": None if timed_out else proc.returncode,
+        "timed_out": timed_out,
+        "seconds": round(seconds, 2),
+        "output_tail": "\n".join(lines[-40:]),
+        "result": result,
+    }

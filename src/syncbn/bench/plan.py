@@ -1,0 +1,90 @@
+"""What ``syncbn bench`` measures: the grid, the world sizes, the repeats, the peers.
+
+A plan is plain data (dicts and lists of numbers and strings), so it travels as JSON
+to every peer process and is written into the report as it was run.
+
+Grid points are per-replica shapes: ``N`` is the batch of one replica (rank, logical
+device, host device), so at W replicas every implementation normalizes the same
+global batch of ``N * W`` images.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["PEERS", "Peer", "make_plan", "grid", "installed"]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One implementation measured in its own process(es)."""
+
+    key: str  # the short name used in the JSON report
+    label: str  # the name printed in tables
+    family: str  # the peer module that runs it: torch, keras, flax
+    needs: Sequence[str]  # importable modules it needs
+
+
+PEERS: Dict[str, Peer] = {
+    p.key: p
+    for p in [
+        Peer("torch_bn", "torch.nn.BatchNorm2d", "torch", ("torch",)),
+        Peer("syncbn", "syncbn.SyncBatchNorm", "torch", ("torch",)),
+        Peer("torch_syncbn", "torch.nn.SyncBatchNorm", "torch", ("torch",)),
+        Peer("keras_sync", "keras BatchNormalization(synchronized=True)", "keras", ("tensorflow", "keras")),
+        Peer("syncbn_keras", "syncbn.keras.SyncBatchNormalization", "keras", ("tensorflow", "keras")),
+        Peer("flax", "flax nn.BatchNorm(axis_name=...)", "flax", ("jax", "flax")),
+    ]
+}
+
+
+def installed(peer: Peer) -> Optional[str]:
+    """None when every module the peer needs can be imported, else the missing one."""
+    for name in peer.needs:
+        if importlib.util.find_spec(name) is None:
+            return name
+    return None
+
+
+def grid(batches, channels, sizes, layouts) -> List[dict]:
+    """Every combination, as ``{"N", "C", "H", "W", "layout"}`` dicts."""
+    return [
+        {"N": n, "C": c, "H": s, "W": s, "layout": layout}
+        for n, c, s, layout in itertools.product(batches, channels, sizes, layouts)
+    ]
+
+
+def make_plan(quick: bool = False, threads: int = 1, peers: Optional[Sequence[str]] = None) -> dict:
+    """The full plan, or the tiny ``--quick`` one used by the tests."""
+    if quick:
+        plan = {
+            "points": grid([2], [64], [28], ["contiguous"]),
+            "worlds": {"torch": [1, 2], "keras": [2], "flax": [2]},
+            "repeats": 3,
+            "warmup": 1,
+            "min_block_s": 0.01,
+            "comm_channels": [64, 256],
+            "numerics": {"offsets": [1.0, 1e2, 1e3, 1e4], "worlds": [2], "batch": 4, "channels": 8, "size": 6},
+            "memory": {"channels": 64, "batch": 4, "size": 28, "model_batch": 2, "model_size": 64},
+            "copy_mib": 64,
+        }
+    else:
+        plan = {
+            "points": grid([2, 8], [64, 256], [28, 56], ["contiguous", "channels_last"]),
+            "worlds": {"torch": [1, 2, 4], "keras": [1, 2, 4], "flax": [1, 2, 4]},
+            "repeats": 7,
+            "warmup": 2,
+            "min_block_s": 0.03,
+            "comm_channels": [64, 256],
+            "numerics": {"offsets": [1.0, 1e2, 1e3, 1e4], "worlds": [2, 4], "batch": 8, "channels": 16, "size": 8},
+            "memory": {"channels": 256, "batch": 8, "size": 56, "model_batch": 8, "model_size": 128},
+            "copy_mib": 256,
+        }
+    plan["quick"] = quick
+    plan["threads"] = threads
+    plan["peers"] = list(PEERS) if peers is None else [p for p in PEERS if p in set(peers)]
+    plan["comm_worlds_formula"] = [2**k for k in range(1, 11)]  # 2 .. 1024
+    return plan

@@ -1,0 +1,500 @@
+"""The report: the peers' raw results turned into tables, ratios and bars, written as
+JSON (everything), Markdown (the tables and the plots) and a terminal summary.
+
+Timing ratios are always taken against a ``torch.nn.BatchNorm2d`` measured on the same
+per-replica batch: in the same processes, interleaved, for the torch rows (so a change
+of load touches both), and in the torch peer's single process for the Keras and Flax
+rows (their processes hold no torch). The bars are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from . import communication
+from .floor import PASSES, floor_seconds
+from .plan import PEERS
+from .timing import summarize
+
+__all__ = ["build", "write", "terminal", "markdown"]
+
+SCHEMA = 1
+
+
+# what the torch peer also times, beside the implementations
+PROBES = {
+    "syncbn_leaky": "syncbn.SyncBatchNorm + LeakyReLU",
+    "syncbn_act": "syncbn.SyncBatchNormAct(leaky_relu), fused",
+    "collectives": "syncbn's two all-reduces alone (gloo)",
+}
+ORDER = list(PEERS) + list(PROBES)
+
+
+def _label(key: str) -> str:
+    return PEERS[key].label if key in PEERS else PROBES.get(key, key)
+
+
+def _order(key_world):
+    key, world = key_world
+    return (ORDER.index(key) if key in ORDER else len(ORDER), -1 if world is None else world)
+
+
+def _geomean(values):
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _timing(plan: dict, raw: dict) -> dict:
+    points = plan["points"]
+    torch_result = raw["peers"].get("torch", {}).get("None") or {}
+    rows: List[dict] = []
+    refusals: List[dict] = []
+    bn_local = {}
+    bandwidth = (torch_result.get("floor") or {}).get("bytes_per_s")
+
+    def add(key, world, i, seconds, reference, note=None):
+        point = points[i]
+        s = summarize(seconds)
+        numel = point["N"] * point["C"] * point["H"] * point["W"]
+        row = {"impl": key, "label": _label(key), "world": world, "point": i, **point,
+               "global_batch": point["N"] * (world or 1), "median_ms": s["median_s"] * 1e3,
+               "q1_ms": s["q1_s"] * 1e3, "q3_ms": s["q3_s"] * 1e3, "repeats": s["repeats"], "reference": reference}
+        if bandwidth:
+            row["floor_ms"] = floor_seconds(numel, bandwidth) * 1e3
+        if note:
+            row["note"] = note
+        rows.append(row)
+        return row
+
+    local = torch_result.get("local")
+    if local:
+        for i, times in enumerate(local["times"]):
+            bn = summarize(times["torch_bn"])["median_s"] * 1e3
+            bn_local[i] = bn
+            for key, seconds in times.items():
+                note = "not distributed: runs as torch.nn.BatchNorm2d" if key == "torch_syncbn" else None
+                add(key, None, i, seconds, "torch.nn.BatchNorm2d, same process, interleaved", note)["ratio_to_bn"] = (
+                    summarize(seconds)["median_s"] * 1e3 / bn)
+        for key, text in local.get("refusals", {}).items():
+            refusals.append({"impl": key, "world": None, "refusal": text})
+    for entry in torch_result.get("pool") or []:
+        w = entry["world"]
+        for i, times in enumerate(entry["times"]):
+            bn = summarize(times["torch_bn"])["median_s"] * 1e3
+            for key, seconds in times.items():
+                row = add(key, w, i, seconds, f"torch.nn.BatchNorm2d on the same per-rank batch, in the same {w} "
+                          "process(es), interleaved")
+                row["ratio_to_bn"] = row["median_ms"] / bn
+        for key, text in entry.get("refusals", {}).items():
+            refusals.append({"impl": key, "world": w, "refusal": text})
+    for key in ("keras_sync", "syncbn_keras", "flax"):
+        for world_text, result in sorted(raw["peers"].get(key, {}).items(), key=lambda kv: int(kv[0])):
+            w = int(world_text)
+            for i, seconds in enumerate(result.get("times") or []):
+                row = add(key, w, i, seconds, "torch.nn.BatchNorm2d on one replica's batch, torch peer process")
+                if i in bn_local:
+                    row["ratio_to_bn"] = row["median_ms"] / bn_local[i]
+
+    # each implementation against syncbn at the same W and global batch
+    syncbn_at = {(r["world"], r["point"]): r["median_ms"] for r in rows if r["impl"] == "syncbn"}
+    for row in rows:
+        if row["impl"] not in ("syncbn", "torch_bn", "syncbn_act", "syncbn_leaky") and \
+                (row["world"], row["point"]) in syncbn_at:
+            row["ratio_to_syncbn"] = row["median_ms"] / syncbn_at[(row["world"], row["point"])]
+
+    unfused_at = {(r["world"], r["point"]): r["median_ms"] for r in rows if r["impl"] == "syncbn_leaky"}
+    for row in rows:
+        if row["impl"] == "syncbn_act" and (row["world"], row["point"]) in unfused_at:
+            row["ratio_to_unfused"] = row["median_ms"] / unfused_at[(row["world"], row["point"])]
+
+    summary = []
+    for key, w in sorted({(r["impl"], r["world"]) for r in rows}, key=_order):
+        mine = [r for r in rows if r["impl"] == key and r["world"] == w]
+        ratios = [r.get("ratio_to_bn") for r in mine if r.get("ratio_to_bn") is not None]
+        vs_syncbn = [r["ratio_to_syncbn"] for r in mine if "ratio_to_syncbn" in r]
+        summary.append({
+            "impl": key, "label": _label(key), "world": w, "points": len(mine),
+            "geomean_ms": _geomean([r["median_ms"] for r in mine]),
+            "median_ratio_to_bn": _median(ratios), "min_ratio_to_bn": min(ratios) if ratios else None,
+            "max_ratio_to_bn": max(ratios) if ratios else None,
+            "median_ratio_to_syncbn": _median(vs_syncbn),
+            "median_ratio_to_unfused": _median([r["ratio_to_unfused"] for r in mine if "ratio_to_unfused" in r]),
+            "median_ratio_to_floor": _median([r["median_ms"] / r["floor_ms"] for r in mine if r.get("floor_ms")]),
+        })
+    return {"rows": rows, "summary": summary, "refusals": refusals}
+
+
+# --------------------------------------------------------------------------- the rest
+
+
+def _communication(plan: dict, torch_result: dict) -> dict:
+    counted = torch_result.get("collectives") or []
+    tables = {str(c): communication.table(plan["comm_worlds_formula"], c, counted) for c in plan["comm_channels"]}
+    return {"counted": counted, "tables": tables,
+            "models": {"syncbn": "all_reduce (2C+1) float64 forward, all_reduce 2C float32 backward",
+                       "torch_syncbn": "all_gather (2C+1) float32 per rank forward, all_reduce 2C float32 backward"}}
+
+
+def _numerics(plan: dict, raw: dict) -> dict:
+    rows = []
+    torch_result = raw["peers"].get("torch", {}).get("None") or {}
+    for entry in torch_result.get("numerics") or []:
+        for key, errors in (entry.get("errors") or {}).items():
+            if errors:  # the one-process rows see the same W shards, concatenated
+                rows.append({"impl": key, "world": entry["world"], "errors": errors})
+    for key in ("keras_sync", "syncbn_keras"):
+        for w, result in sorted(raw["peers"].get(key, {}).items(), key=lambda kv: int(kv[0])):
+            if result.get("numerics"):
+                rows.append({"impl": key, "world": int(w), "errors": result["numerics"]})
+    for w, result in sorted(raw["peers"].get("flax", {}).items(), key=lambda kv: int(kv[0])):
+        for key, errors in (result.get("numerics") or {}).items():
+            rows.append({"impl": key, "world": int(w), "errors": errors})
+    labels = {"torch_bn_one_process": "torch.nn.BatchNorm2d, the W shards in one process",
+              "naive_float32": "naive E[x^2] - E[x]^2, float32 sums, the W shards",
+              "flax": "flax nn.BatchNorm(axis_name=...), default (use_fast_variance=True)",
+              "flax_two_pass": "flax nn.BatchNorm(axis_name=...), use_fast_variance=False"}
+    for row in rows:
+        row["label"] = labels.get(row["impl"], _label(row["impl"]))
+    return {"offsets": plan["numerics"]["offsets"], "rows": rows, "spec": plan["numerics"]}
+
+
+def _bar(name: str, passed: Optional[bool], figure: str) -> dict:
+    return {"bar": name, "passed": passed, "figure": figure}
+
+
+def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
+    bars = []
+    summary = {(s["impl"], s["world"]): s for s in timing["summary"]}
+
+    def ratio_bar(name, key, world, limit):
+        s = summary.get((key, world))
+        if not s or s["median_ratio_to_bn"] is None:
+            bars.append(_bar(name, None, "not measured"))
+            return
+        r = s["median_ratio_to_bn"]
+        bars.append(_bar(name, r <= limit, f"median ratio {r:.2f}x over {s['points']} point(s) "
+                                          f"(min {s['min_ratio_to_bn']:.2f}x, max {s['max_ratio_to_bn']:.2f}x); "
+                                          f"bar <= {limit:.2f}x"))
+
+    ratio_bar("syncbn with no process group within 1.10x of torch.nn.BatchNorm2d", "syncbn", None, 1.10)
+    ratio_bar("syncbn at W = 1 within 1.10x of torch.nn.BatchNorm2d", "syncbn", 1, 1.10)
+    ratio_bar("syncbn at W = 2 (gloo) within 1.5x of torch.nn.BatchNorm2d on the same per-rank batch", "syncbn", 2, 1.5)
+
+    keras_rows = [r for r in timing["rows"] if r["impl"] == "keras_sync" and r["world"] == 2 and "ratio_to_syncbn" in r]
+    name = "syncbn at W = 2 faster than Keras synchronized BN at 2 replicas, same global batch"
+    if keras_rows:
+        ratios = [r["ratio_to_syncbn"] for r in keras_rows]
+        bars.append(_bar(name, min(ratios) > 1.0,
+                         f"Keras / syncbn time: median {statistics.median(ratios):.2f}x, worst point {min(ratios):.2f}x "
+                         f"over {len(ratios)} point(s); bar > 1 at every point"))
+    else:
+        bars.append(_bar(name, None, "not measured"))
+
+    counted = comm["counted"]
+    name = "communication: 1 collective forward, 1 backward, none in eval (counted at the process group)"
+    if counted:
+        ok = all(c["forward"]["count"] == 1 and c["backward"]["count"] == 1 and c["eval"]["count"] == 0 for c in counted)
+        seen = ", ".join(f"W={c['world']} C={c['channels']}: {c['forward']['count']}/{c['backward']['count']}/"
+                         f"{c['eval']['count']}" for c in counted)
+        bars.append(_bar(name, ok, f"forward/backward/eval collectives: {seen}"))
+        by_c: Dict[int, set] = {}
+        for c in counted:
+            by_c.setdefault(c["channels"], set()).add(c["forward"]["payload_bytes"] + c["backward"]["payload_bytes"])
+        worlds = sorted({c["world"] for c in counted})
+        ok = all(len(v) == 1 and v == {(2 * ch + 1) * 8 + 2 * ch * 4} for ch, v in by_c.items())
+        figure = "; ".join(f"C={ch}: {sorted(v)} B" for ch, v in sorted(by_c.items()))
+        bars.append(_bar("communication: payload per rank independent of W (= (2C+1)*8 + 2C*4 bytes)", ok,
+                         f"counted at W = {worlds}: {figure}; wire bytes stay below twice the payload"))
+    else:
+        bars.append(_bar(name, None, "not measured"))
+
+    name = "numerics: syncbn at |mean|/std = 1e4 at least 100x more accurate than the naive formula"
+    key = str(float(1e4))
+    naive = {r["world"]: r["errors"] for r in num["rows"] if r["impl"] == "naive_float32"}
+    pairs = [(r["world"], r["errors"][key], naive[r["world"]][key]) for r in num["rows"]
+             if r["impl"] == "syncbn" and key in r["errors"] and key in naive.get(r["world"], {})]
+    if pairs:
+        gains = [theirs / max(ours, 1e-300) for _, ours, theirs in pairs]
+        text = ", ".join(f"W={w}: syncbn {ours:.1e} vs naive {theirs:.1e}" for w, ours, theirs in pairs)
+        bars.append(_bar(name, min(gains) >= 100, f"{text} (at least {min(gains):.0f}x)"))
+    else:
+        bars.append(_bar(name, None, "not measured"))
+    return bars
+
+
+def _fused_figures(timing: dict, memory: Optional[dict]) -> List[dict]:
+    """The fused layer against SyncBatchNorm + the same activation: time, saved bytes,
+    peak memory (figures, not bars)."""
+    figures = []
+    for s in timing["summary"]:
+        if s["impl"] == "syncbn_act" and s["median_ratio_to_unfused"] is not None:
+            figures.append({"figure": f"fused block step time / SyncBatchNorm + LeakyReLU, W = {_world(s['world'])}",
+                            "value": s["median_ratio_to_unfused"], "text": f"{s['median_ratio_to_unfused']:.2f}x "
+                            f"(median over {s['points']} point(s))"})
+    reasons = [r["refusal"] for r in timing["refusals"] if r["impl"] == "syncbn_act"]
+    if not any(f["figure"].startswith("fused block step time") for f in figures):
+        figures.append({"figure": "fused block step time / SyncBatchNorm + LeakyReLU", "value": None,
+                        "text": "not available" + (f": {reasons[0]}" if reasons else "")})
+    blocks = {b["block"]: b for b in (memory or {}).get("blocks") or []}
+    fused = next((b for name, b in blocks.items() if "fused" in name), None)
+    plain = next((b for name, b in blocks.items() if name.startswith("torch.nn.BatchNorm2d + LeakyReLU")), None)
+    if fused and plain and fused["available"] and plain["available"]:
+        figures.append({"figure": "bytes saved for backward, fused block / torch BN + LeakyReLU",
+                        "value": fused["saved_bytes"] / plain["saved_bytes"],
+                        "text": f"{fused['saved_bytes'] / 2**20:.2f} MiB vs {plain['saved_bytes'] / 2**20:.2f} MiB "
+                                f"({fused['saved_bytes'] / plain['saved_bytes']:.2f}x)"})
+    else:
+        figures.append({"figure": "bytes saved for backward, fused block / torch BN + LeakyReLU", "value": None,
+                        "text": "not available" + (f": {fused['reason']}" if fused and not fused["available"] else "")})
+    peaks = (memory or {}).get("peak_step") or []
+    fused = next((p for p in peaks if "fused" in p["model"]), None)
+    unfused = next((p for p in peaks if p["model"].startswith("syncbn.SyncBatchNorm +")), None)
+    name = "demo network step peak RSS rise, fused / unfused"
+    if fused and unfused and fused["available"] and unfused["available"] and unfused["peak_rise_bytes"] > 0:
+        ratio = fused["peak_rise_bytes"] / unfused["peak_rise_bytes"]
+        figures.append({"figure": name, "value": ratio,
+                        "text": f"{fused['peak_rise_bytes'] / 2**20:.1f} MiB vs {unfused['peak_rise_bytes'] / 2**20:.1f} "
+                                f"MiB ({ratio:.2f}x, {fused.get('fused_layers')} fused layers)"})
+    else:
+        figures.append({"figure": name, "value": None,
+                        "text": "not available" + (f": {fused['reason']}" if fused and not fused["available"] else "")})
+    return figures
+
+
+def build(plan: dict, raw: dict, meta: dict) -> dict:
+    torch_result = raw["peers"].get("torch", {}).get("None") or {}
+    timing = _timing(plan, raw)
+    comm = _communication(plan, torch_result)
+    num = _numerics(plan, raw)
+    versions = {}
+    for by_world in raw["peers"].values():
+        for result in by_world.values():
+            versions.update(result.get("versions") or {})
+    errors = {}
+    for key, by_world in raw["peers"].items():
+        for w, result in by_world.items():
+            for section, text in (result.get("errors") or {}).items():
+                errors[f"{key} W={w} {section}"] = text
+    for run in raw["runs"]:
+        if run["returncode"] != 0:
+            name = f"{run['peer']} W={run['world']}"
+            errors[f"{name} process"] = ("timed out" if run["timed_out"] else f"exit {run['returncode']}") + \
+                "\n" + run["output_tail"]
+    notes = [
+        f"Each replica (process, logical device, host device) uses {plan['threads']} thread(s); a peer with W "
+        f"replicas gets W x {plan['threads']} threads in all: W torch processes, or one TensorFlow / JAX process "
+        f"with W x {plan['threads']} intra-op threads pinned to min(W x {plan['threads']}, {meta['cores']}) cores.",
+        "N is the per-replica batch: at W replicas every implementation normalizes a global batch of N x W.",
+        "Keras and Flax: 'contiguous' is NCHW with axis=1, 'channels_last' is NHWC with axis=-1.",
+        f"Floor: {sum(PASSES.values())} passes over the per-replica input ({', '.join(f'{k}: {v}' for k, v in PASSES.items())}) "
+        "at the measured copy bandwidth of one process.",
+    ]
+    worlds = sorted({w for ws in plan["worlds"].values() for w in ws})
+    over = [w for w in worlds if w * plan["threads"] > meta["cores"]]
+    if over:
+        notes.append(f"W = {over} asks for more threads than the {meta['cores']} cores of this machine: those rows "
+                     "share cores and measure oversubscription as much as the implementation.")
+    if meta.get("load_before") and meta["load_before"][0] > 0.5 * meta["cores"]:
+        notes.append(f"The machine was busy (load average {meta['load_before']} at the start, {meta.get('load_after')} "
+                     f"at the end, {meta['cores']} cores): timings are noisy; rerun on a quiet machine.")
+    return {
+        "schema": SCHEMA,
+        "meta": dict(meta, versions=versions),
+        "plan": plan,
+        "timing": timing,
+        "floor": torch_result.get("floor"),
+        "communication": comm,
+        "memory": torch_result.get("memory"),
+        "numerics": num,
+        "bars": _bars(timing, comm, num, plan),
+        "fused": _fused_figures(timing, torch_result.get("memory")),
+        "skipped": raw["skipped"],
+        "runs": raw["runs"],
+        "errors": errors,
+        "notes": notes,
+    }
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _fmt(value, spec=".2f", none="-"):
+    return none if value is None else format(value, spec)
+
+
+def _world(w) -> str:
+    return "no group" if w is None else str(w)
+
+
+def _table(header: List[str], rows: List[List[str]]) -> List[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def _md_table(header: List[str], rows: List[List[str]]) -> List[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + \
+        ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _bar_lines(report: dict) -> List[str]:
+    mark = {True: "PASS", False: "FAIL", None: "n/a "}
+    return [f"[{mark[b['passed']]}] {b['bar']}: {b['figure']}" for b in report["bars"]]
+
+
+def _summary_rows(report: dict) -> List[List[str]]:
+    return [[s["label"], _world(s["world"]), str(s["points"]), _fmt(s["geomean_ms"], ".3f"),
+             _fmt(s["median_ratio_to_bn"]), f"{_fmt(s['min_ratio_to_bn'])}-{_fmt(s['max_ratio_to_bn'])}",
+             _fmt(s["median_ratio_to_syncbn"]), _fmt(s["median_ratio_to_floor"], ".1f")]
+            for s in report["timing"]["summary"]]
+
+
+SUMMARY_HEADER = ["implementation", "W", "points", "geomean ms", "x BN2d (median)", "x BN2d (range)",
+                  "x syncbn same W", "x floor"]
+
+
+def _comm_rows(report: dict, channels: str) -> List[List[str]]:
+    return [[str(r["world"]), str(r["syncbn_payload_bytes"]), str(r["syncbn_wire_bytes"]), str(r["torch_syncbn_wire_bytes"]),
+             _fmt(r["ratio_torch_over_syncbn"]), r["source"]]
+            for r in report["communication"]["tables"][channels]]
+
+
+COMM_HEADER = ["W", "syncbn payload B", "syncbn wire B/rank", "torch SyncBN wire B/rank", "torch / syncbn", "syncbn figure"]
+
+
+def _numerics_rows(report: dict) -> List[List[str]]:
+    offsets = report["numerics"]["offsets"]
+    return [[r["label"], _world(r["world"])] +
+            [_fmt(r["errors"].get(str(float(o))), ".1e") for o in offsets] for r in report["numerics"]["rows"]]
+
+
+def _memory_lines(report: dict, md: bool) -> List[str]:
+    mem = report.get("memory")
+    if not mem:
+        return ["not measured"]
+    table = _md_table if md else _table
+    lines = table(["block", "saved for backward", "x input"],
+                  [[b["block"], f"{b['saved_bytes'] / 2**20:.2f} MiB" if b["available"] else "not available",
+                    _fmt(b.get("ratio_to_input")) if b["available"] else b["reason"]] for b in mem["blocks"]])
+    lines.append("")
+    lines += table(["demo network (TinyUNet, LeakyReLU), one training step", "peak RSS rise", "peak RSS"],
+                   [[p["model"], f"{p['peak_rise_bytes'] / 2**20:.1f} MiB" if p["available"] else "not available",
+                     f"{p['peak_rss_bytes'] / 2**20:.0f} MiB" if p["available"] else p["reason"]]
+                    for p in mem["peak_step"] or []])
+    return lines
+
+
+def terminal(report: dict) -> str:
+    meta = report["meta"]
+    out = [f"syncbn bench{' --quick' if meta['quick'] else ''}: {meta['cores']} cores, "
+           f"{meta['threads_per_replica']} thread(s) per replica, load {meta['load_before']} -> {meta['load_after']}, "
+           f"{meta['seconds']:.0f} s", ""]
+    out.append("Per-layer forward + backward, float32 (ratios: median over the grid of per-point ratios)")
+    out += _table(SUMMARY_HEADER, _summary_rows(report))
+    for r in report["timing"]["refusals"]:
+        out.append(f"  {_label(r['impl'])} at W = {_world(r['world'])}: not run: {r['refusal']}")
+    floor = report.get("floor")
+    if floor:
+        out.append(f"  copy bandwidth {floor['bytes_per_s'] / 1e9:.1f} GB/s (floor = 8 passes over the input)")
+    out.append("")
+    biggest = str(max(report["plan"]["comm_channels"]))
+    out.append(f"Bytes per rank per layer call (forward + backward), C = {biggest}")
+    out += _table(COMM_HEADER, [r for r in _comm_rows(report, biggest) if int(r[0]) in (2, 4, 8, 64, 1024)])
+    out.append("")
+    out.append("Relative error of the merged variance vs float64, by |mean| / std")
+    out += _table(["implementation", "W"] + [f"{o:g}" for o in report["numerics"]["offsets"]], _numerics_rows(report))
+    out.append("")
+    out.append("Memory")
+    out += _memory_lines(report, md=False)
+    out.append("")
+    out += [f"{f['figure']}: {f['text']}" for f in report["fused"]]
+    out.append("")
+    out += _bar_lines(report)
+    for s in report["skipped"]:
+        out.append(f"skipped {s['label']}: {s['reason']}")
+    for name in report["errors"]:
+        out.append(f"error in {name} (see report.json)")
+    return "\n".join(out)
+
+
+def markdown(report: dict, images: List[str]) -> str:
+    meta, plan = report["meta"], report["plan"]
+    out = ["# syncbn bench", ""]
+    out.append(f"Command: `{meta.get('command') or 'syncbn bench'}`; {meta['started']}; {meta['cores']} cores "
+               f"({meta.get('processor') or meta['machine']}), {meta['threads_per_replica']} thread(s) per replica; "
+               f"load average {meta['load_before']} at the start, {meta['load_after']} at the end; "
+               f"{meta['seconds']:.0f} s.")
+    out.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(meta["versions"].items())) + ".")
+    out += ["", "## Bars", ""] + [f"- {line}" for line in _bar_lines(report)]
+    out += ["", "## Per-layer forward + backward time", ""]
+    out += _md_table(SUMMARY_HEADER, _summary_rows(report))
+    out.append("")
+    for r in report["timing"]["refusals"]:
+        out.append(f"- {_label(r['impl'])} at W = {_world(r['world'])}: not run: `{r['refusal']}`")
+    out.append("")
+    for name in images:
+        out.append(f"![{name}]({name})")
+    out += ["", "### Every point (median ms; ratio to torch.nn.BatchNorm2d on the same per-replica batch)", ""]
+    keys = sorted({(r["impl"], r["world"]) for r in report["timing"]["rows"]}, key=_order)
+    header = ["N", "C", "HxW", "layout", "floor ms"] + [f"{_label(k)} W={_world(w)}" for k, w in keys]
+    by = {(r["impl"], r["world"], r["point"]): r for r in report["timing"]["rows"]}
+    rows = []
+    for i, p in enumerate(plan["points"]):
+        floor_ms = next((r.get("floor_ms") for r in report["timing"]["rows"] if r["point"] == i), None)
+        cells = [str(p["N"]), str(p["C"]), f"{p['H']}x{p['W']}", p["layout"], _fmt(floor_ms, ".3f")]
+        for k, w in keys:
+            r = by.get((k, w, i))
+            cells.append("-" if r is None else f"{r['median_ms']:.3f} ({_fmt(r.get('ratio_to_bn'))}x)")
+        rows.append(cells)
+    out += _md_table(header, rows)
+    out += ["", "## Communication per layer call", ""]
+    for c in report["communication"]["tables"]:
+        out.append(f"C = {c} (bytes sent per rank, = bytes received; 'counted' rows come from the process group "
+                   "in this run, the others from the model checked against them):")
+        out.append("")
+        out += _md_table(COMM_HEADER, _comm_rows(report, c))
+        out.append("")
+    out.append("Models: " + "; ".join(f"{k}: {v}" for k, v in report["communication"]["models"].items()) + ".")
+    out += ["", "## Numerics: relative error of the merged variance vs float64", ""]
+    spec = report["numerics"]["spec"]
+    out.append(f"W shards of ({spec['batch']}, {spec['channels']}, {spec['size']}, {spec['size']}) float32 each, "
+               "channel means ~ offset, std 1; largest error over the channels.")
+    out.append("")
+    out += _md_table(["implementation", "W"] + [f"{o:g}" for o in report["numerics"]["offsets"]], _numerics_rows(report))
+    out += ["", "## Memory", ""] + _memory_lines(report, md=True)
+    out += ["", "Fused BN + activation (syncbn.SyncBatchNormAct) against syncbn.SyncBatchNorm + LeakyReLU:", ""]
+    out += [f"- {f['figure']}: {f['text']}" for f in report["fused"]]
+    out += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    for s in report["skipped"]:
+        out.append(f"- skipped {s['label']}: {s['reason']}")
+    if report["errors"]:
+        out += ["", "## Errors", ""]
+        for name, text in report["errors"].items():
+            out += [f"### {name}", "", "```", text.strip()[-3000:], "```", ""]
+    return "\n".join(out) + "\n"
+
+
+def write(report: dict, out: Path) -> None:
+    out = Path(out)
+    images: List[str] = []
+    try:
+        from . import plots
+
+        images = plots.write_all(report, out)
+    except ImportError as exc:
+        report["notes"].append(f"no plots: {exc}")
+    report["images"] = images
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(markdown(report, images))

@@ -1,0 +1,303 @@
+"""The PyTorch peers, in their own processes: ``torch.nn.BatchNorm2d``,
+``syncbn.SyncBatchNorm`` and ``torch.nn.SyncBatchNorm``.
+
+    python -m syncbn.bench.torch_peer --plan PLAN.json --out RESULT.json
+
+This process (never joined to a process group) measures, with the plan's threads:
+the copy bandwidth (the floor), and the per-layer time of BatchNorm2d, SyncBatchNorm
+with no process group and torch.nn.SyncBatchNorm with none, interleaved. It then
+starts a :class:`syncbn.launch.WorkerPool` of gloo processes (same threads each) and,
+for every W of the plan, on the process group of ranks 0..W-1: SyncBatchNorm
+interleaved with BatchNorm2d on the same per-rank batch, the attempt at
+torch.nn.SyncBatchNorm (a refusal is a result), the collectives of one layer call,
+the merged variance's error and the memory figures. The result JSON is rewritten
+after every section, so a timeout still leaves what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from . import communication, floor, memory, numerics
+from .timing import measure_interleaved
+
+_GROUPS = {}
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def make_input(point: dict, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (point["N"], point["C"], point["H"], point["W"])
+    x = torch.randn(shape, generator=gen).add_(0.5)
+    dy = torch.randn(shape, generator=gen)
+    if point["layout"] == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+        dy = dy.contiguous(memory_format=torch.channels_last)
+    return x.requires_grad_(), dy
+
+
+def layer_step(layer, x, dy):
+    """One forward and backward of ``layer`` (input and parameter gradients)."""
+    inputs = (x, *layer.parameters())
+
+    def step():
+        torch.autograd.grad(layer(x), inputs, dy)
+
+    return step, (lambda: None)  # eager CPU torch: done when the call returns
+
+
+def collectives_step(channels: int, group):
+    """syncbn's communication alone: the forward and the backward all-reduce of one
+    layer call, with their sizes and dtypes, and nothing else."""
+    forward = torch.zeros(2 * channels + 1, dtype=torch.float64)
+    backward = torch.zeros(2 * channels, dtype=torch.float32)
+
+    def step():
+        dist.all_reduce(forward, group=group)
+        dist.all_reduce(backward, group=group)
+
+    return step, (lambda: None)
+
+
+LEAKY_SLOPE = 0.01  # the fused layer needs an invertible activation: LeakyReLU(0.01)
+
+
+def fused_available():
+    """None when ``syncbn.SyncBatchNormAct`` can be imported, else why not."""
+    try:
+        from ..batchnorm_act import SyncBatchNormAct  # noqa: F401
+    except ImportError as exc:
+        return f"syncbn.SyncBatchNormAct is not available: {exc}"
+    return None
+
+
+def build(key: str, channels: int, group=None):
+    from ..batchnorm import SyncBatchNorm
+
+    if key == "torch_bn":
+        return torch.nn.BatchNorm2d(channels)
+    if key == "syncbn":
+        return SyncBatchNorm(channels, process_group=group)
+    if key == "torch_syncbn":
+        return torch.nn.SyncBatchNorm(channels, process_group=group)
+    if key == "syncbn_leaky":  # the unfused block the fused layer replaces
+        return torch.nn.Sequential(SyncBatchNorm(channels, process_group=group), torch.nn.LeakyReLU(LEAKY_SLOPE))
+    if key == "syncbn_act":
+        from ..batchnorm_act import SyncBatchNormAct
+
+        return SyncBatchNormAct(channels, "leaky_relu", LEAKY_SLOPE, process_group=group)
+    raise KeyError(key)
+
+
+def _block_keys(plan: dict, unavailable: dict) -> list:
+    """The fused and unfused BN + activation blocks, when syncbn is measured."""
+    if "syncbn" not in plan["peers"]:
+        return []
+    reason = fused_available()
+    if reason:
+        unavailable["syncbn_act"] = reason
+        return []
+    return ["syncbn_leaky", "syncbn_act"]
+
+
+def try_layer(key: str, point: dict, group=None):
+    """Run one training call; None if it works, else the refusal as text."""
+    layer = build(key, point["C"], group)
+    x, dy = make_input(point, 0)
+    try:
+        layer(x).backward(dy)
+        return None
+    except Exception as exc:  # the refusal is the result
+        return f"{type(exc).__name__}: {exc}"
+
+
+# --------------------------------------------------------------------------- this process
+
+
+def local_timing(plan: dict) -> dict:
+    """No process group: BatchNorm2d, SyncBatchNorm, torch.nn.SyncBatchNorm, interleaved."""
+    refusals = {}
+    keys = [k for k in ("torch_bn", "syncbn", "torch_syncbn") if k in plan["peers"] or k == "torch_bn"]
+    keys += _block_keys(plan, refusals)
+    points = []
+    for i, point in enumerate(plan["points"]):
+        candidates = {}
+        for key in keys:
+            refusal = try_layer(key, point)
+            if refusal is not None:
+                refusals[key] = refusal
+                continue
+            x, dy = make_input(point, i)
+            candidates[key] = layer_step(build(key, point["C"]), x, dy)
+        times = measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"])
+        points.append(times)
+    return {"world": None, "times": points, "refusals": refusals}
+
+
+# --------------------------------------------------------------------------- pool jobs
+
+
+def make_groups(sizes):
+    """Process groups of ranks 0..W-1 for every W (collective: every rank, same order)."""
+    for size in sorted(set(sizes)):
+        if size not in _GROUPS:
+            _GROUPS[size] = dist.new_group(list(range(size)))
+    return dist.get_rank()
+
+
+def pool_timing(plan: dict, world: int):
+    """SyncBatchNorm on the group of W ranks, interleaved with BatchNorm2d on the same
+    per-rank batch; the attempt at torch.nn.SyncBatchNorm."""
+    if dist.get_rank() >= world:
+        return None
+    group = _GROUPS[world]
+
+    def agree(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    def barrier():
+        dist.barrier(group=group)
+
+    refusals = {}
+    if "torch_syncbn" in plan["peers"]:
+        refusal = try_layer("torch_syncbn", plan["points"][0], group)
+        if refusal is not None:
+            refusals["torch_syncbn"] = refusal
+    keys = ["torch_bn", "syncbn"] + ([] if refusals or "torch_syncbn" not in plan["peers"] else ["torch_syncbn"])
+    keys += _block_keys(plan, refusals)
+    points = []
+    for i, point in enumerate(plan["points"]):
+        candidates = {}
+        for key in keys:
+            x, dy = make_input(point, 1000 * dist.get_rank() + i)
+            candidates[key] = layer_step(build(key, point["C"], group), x, dy)
+        if world > 1:
+            candidates["collectives"] = collectives_step(point["C"], group)
+        points.append(
+            measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree, barrier)
+        )
+    return {"world": world, "times": points, "refusals": refusals}
+
+
+def pool_collectives(channels: int, world: int):
+    if dist.get_rank() >= world:
+        return None
+    return communication.count_layer_collectives(channels, _GROUPS[world])
+
+
+def pool_numerics(spec: dict, world: int):
+    if dist.get_rank() >= world:
+        return None
+    return numerics.torch_variances(spec, world, _GROUPS[world])
+
+
+def pool_memory(spec: dict, world: int):
+    if dist.get_rank() >= world:
+        return None
+    group = _GROUPS[world]
+    blocks = memory.block_rows(spec, group)
+    peaks = memory.peak_step_rows(spec, group)
+    return {"world": world, "blocks": blocks, "peak_step": peaks} if dist.get_rank() == 0 else None
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _max_over_ranks(per_rank: list) -> list:
+    """Per point and candidate: the slowest rank's time of every repeat."""
+    ranks = [r for r in per_rank if r is not None]
+    merged = []
+    for i, point in enumerate(ranks[0]["times"]):
+        merged.append({key: [max(r["times"][i][key][k] for r in ranks) for k in range(len(values))]
+                       for key, values in point.items()})
+    return merged
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    plan = json.loads(open(args.plan).read())
+    threads = plan["threads"]
+    torch.set_num_threads(threads)
+
+    result = {"peer": "torch", "versions": {"torch": torch.__version__, "python": platform.python_version()},
+              "threads": threads, "sections": {}, "errors": {}}
+
+    def save():
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    def section(name, fn):
+        start = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception:
+            result["errors"][name] = traceback.format_exc()
+        result["sections"][name] = round(time.perf_counter() - start, 2)
+        save()
+
+    section("floor", lambda: floor.copy_bandwidth(plan["copy_mib"], repeats=max(3, plan["repeats"])))
+    section("local", lambda: local_timing(plan))
+
+    worlds = sorted(set(plan["worlds"]["torch"]) | set(plan["numerics"]["worlds"]) | {2})
+    from ..launch import WorkerPool
+    # the jobs must pickle by their importable name, not as ``__main__.<job>``
+    from . import torch_peer as jobs
+
+    pool = None
+    try:
+        section("pool_start", lambda: {"size": max(worlds)})
+        pool = WorkerPool(max(worlds), backend="gloo", timeout=600, threads=threads)
+        pool.run(jobs.make_groups, worlds)
+
+        def timings():
+            out = []
+            for w in plan["worlds"]["torch"]:
+                per_rank = pool.run(jobs.pool_timing, plan, w)
+                out.append({"world": w, "times": _max_over_ranks(per_rank), "refusals": per_rank[0]["refusals"]})
+            return out
+
+        section("pool", timings)
+        section("collectives", lambda: [
+            pool.run(jobs.pool_collectives, c, w)[0]
+            for w in worlds if w >= 2 for c in plan["comm_channels"]])
+        section("numerics", lambda: [
+            {"world": w, "errors": pool.run(jobs.pool_numerics, plan["numerics"], w)[0]} for w in plan["numerics"]["worlds"]])
+    finally:
+        if pool is not None:
+            pool.close()
+
+    # Memory in a fresh pair of processes whose allocator returns every large block to
+    # the system when it is freed (a fixed mmap threshold), so that the resident set
+    # follows the live tensors and one model's freed memory is not reused by the next.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    pool = None
+    try:
+        pool = WorkerPool(2, backend="gloo", timeout=600, threads=threads)
+        pool.run(jobs.make_groups, [2])
+        section("memory", lambda: pool.run(jobs.pool_memory, plan["memory"], 2)[0])
+    finally:
+        if pool is not None:
+            pool.close()
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

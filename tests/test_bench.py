@@ -1,0 +1,121 @@
+"""``syncbn bench``: the quick run end to end (report structure and the collectives it
+counted at the process group), and the report's handling of missing peers.
+
+Timings are never asserted: the bars are printed by the report, not tested.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from syncbn.bench import communication, report, runner
+from syncbn.bench.plan import PEERS, make_plan
+
+QUICK_TIMEOUT = 420  # about 90 s on two idle cores; generous for a loaded machine
+
+
+def _bench_command():
+    """``python -m syncbn bench`` once the subcommand is registered, else the module."""
+    try:
+        from syncbn.cli import COMMANDS
+    except ImportError:
+        COMMANDS = {}
+    return [sys.executable, "-m", "syncbn", "bench"] if "bench" in COMMANDS else [sys.executable, "-m", "syncbn.bench"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([*_bench_command(), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out, json.loads((out / "report.json").read_text()), proc.stdout
+
+
+def test_quick_writes_every_output(quick):
+    out, rep, stdout = quick
+    assert (out / "report.md").read_text().startswith("# syncbn bench")
+    for name in rep["images"]:
+        assert (out / name).stat().st_size > 0
+    for section in ("meta", "plan", "timing", "floor", "communication", "memory", "numerics", "bars", "fused",
+                    "skipped", "runs", "errors", "notes"):
+        assert section in rep, section
+    assert rep["meta"]["quick"] is True and rep["plan"]["quick"] is True
+    assert rep["errors"] == {}, json.dumps(rep["errors"], indent=1)[:4000]
+    # every bar is printed as a pass/fail/n.a. line, none is asserted here
+    assert len(rep["bars"]) == 7
+    for bar in rep["bars"]:
+        assert bar["passed"] in (True, False, None) and bar["figure"]
+        assert bar["bar"] in stdout
+
+
+def test_quick_counts_one_collective_each_way(quick):
+    _, rep, _ = quick
+    counted = rep["communication"]["counted"]
+    assert {c["channels"] for c in counted} == set(rep["plan"]["comm_channels"])
+    assert all(c["world"] >= 2 for c in counted)
+    for c in counted:
+        ch = c["channels"]
+        assert c["forward"]["count"] == 1 and c["backward"]["count"] == 1 and c["eval"]["count"] == 0
+        assert [call["op"] for call in c["forward"]["calls"] + c["backward"]["calls"]] == ["all_reduce"] * 2
+        assert c["forward"]["payload_bytes"] == (2 * ch + 1) * 8  # float64 sums
+        assert c["backward"]["payload_bytes"] == 2 * ch * 4  # float32 sums
+    table = rep["communication"]["tables"]["256"]
+    assert [r["world"] for r in table] == [2**k for k in range(1, 11)]
+    assert any(r["source"] == "counted" for r in table)
+    assert len({r["syncbn_payload_bytes"] for r in table}) == 1
+
+
+def test_quick_times_every_installed_peer(quick):
+    _, rep, _ = quick
+    rows = rep["timing"]["rows"]
+    seen = {(r["impl"], r["world"]) for r in rows}
+    for key in ("torch_bn", "syncbn"):
+        for world in (None, 1, 2):
+            assert (key, world) in seen
+    assert all(r["median_ms"] > 0 and r["repeats"] == rep["plan"]["repeats"] for r in rows)
+    refused = {(r["impl"], r["world"]) for r in rep["timing"]["refusals"]}
+    # torch.nn.SyncBatchNorm refuses CPU inputs: a result, not a crash (or, one day, a row)
+    assert ("torch_syncbn", 2) in refused or ("torch_syncbn", 2) in seen
+    skipped = {s["peer"] for s in rep["skipped"]}
+    for key in ("keras_sync", "syncbn_keras", "flax"):
+        assert key in skipped or (key, 2) in seen, key
+
+
+def test_quick_numerics_and_memory(quick):
+    _, rep, _ = quick
+    offsets = [str(float(o)) for o in rep["numerics"]["offsets"]]
+    by_impl = {r["impl"]: r for r in rep["numerics"]["rows"]}
+    for key in ("syncbn", "naive_float32", "torch_bn_one_process"):
+        assert sorted(by_impl[key]["errors"]) == sorted(offsets)
+    mem = rep["memory"]
+    assert {b["block"] for b in mem["blocks"] if b["available"]} >= {
+        "torch.nn.BatchNorm2d + LeakyReLU", "syncbn.SyncBatchNorm + LeakyReLU"}
+    for b in mem["blocks"]:
+        assert b["available"] or b["reason"]
+    assert mem["peak_step"] and all(p["available"] or p["reason"] for p in mem["peak_step"])
+    assert rep["floor"]["bytes_per_s"] > 0
+
+
+def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.plans, "installed", lambda peer: "nothing")
+    notes = []
+    rep = runner.run_bench(make_plan(quick=True), tmp_path, say=notes.append)
+    assert {s["peer"] for s in rep["skipped"]} == set(PEERS)
+    assert rep["runs"] == [] and rep["timing"]["rows"] == []
+    assert all(bar["passed"] is None for bar in rep["bars"])
+    assert "skipped" in report.terminal(rep)
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
+
+
+def test_communication_models():
+    for c in (1, 64, 256):
+        payloads = {communication.syncbn_model(w, c)["forward_payload_bytes"] for w in (2, 8, 1024)}
+        assert payloads == {(2 * c + 1) * 8}
+        for w in (2, 4, 1024):
+            ours = communication.syncbn_model(w, c)
+            assert ours["forward_wire_bytes"] + ours["backward_wire_bytes"] < 2 * ((2 * c + 1) * 8 + 2 * c * 4)
+            theirs = communication.torch_syncbn_model(w, c)
+            assert theirs["forward_wire_bytes"] == (w - 1) * (2 * c + 1) * 4
