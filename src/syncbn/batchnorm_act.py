@@ -153,10 +153,12 @@ def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype):
         z = F.leaky_relu(yc, 1.0 / param)
         dz = torch.ops.aten.leaky_relu_backward(dyc, yc, param, True)
     elif activation == "elu":
-        # log1p(y / alpha) on the negative side, y itself on the other
-        z = yc.clamp(max=0).div_(param).log1p_()
-        torch.where(yc > 0, yc, z, out=z)
         dz = torch.ops.aten.elu_backward(dyc, param, 1, 1, True, yc)
+        # log1p(min(y, 0) / alpha) + max(y, 0): log1p(y / alpha) where y < 0, else y
+        z = yc.clamp(max=0)
+        if param != 1.0:
+            z.div_(param)
+        z.log1p_().add_(yc.clamp_(min=0) if yc is not y else F.relu(yc))
     else:
         z, dz = yc, dyc
     return z, dz, z is not y
@@ -180,9 +182,8 @@ def _channels_to_keep(x, weight, bias, mean, invstd, activation, param) -> Tenso
     scale = weight.abs()
     amplification = (bias.abs() + floor) / scale  # inf (or nan) where the weight is 0
     if activation == "elu":
-        dims = stats.reduce_dims(x.dim())
-        low = x.amin(dims).to(mean.dtype)
-        high = x.amax(dims).to(mean.dtype)
+        dims = stats.reduce_dims(x.dim())  # (amin + amax: far faster than aminmax on CPU)
+        low, high = x.amin(dims).to(mean.dtype), x.amax(dims).to(mean.dtype)
         # the most negative pre-activation of each channel on this rank
         extreme = torch.where(weight >= 0, low, high)
         z_min = bias + weight * ((extreme - mean) * invstd)
