@@ -258,6 +258,21 @@ def test_zero_negative_and_tiny_weights(pool, dtype, activation, param):
 
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.01), ("elu", 1.0), ("identity", 0.01)])
+def test_bias_to_weight_ratio_at_the_budget(pool, dtype, activation, param):
+    """|b| / |w| just under the amplification budget (read back from the output: the
+    worst case of that path) and just over it (kept), with dy correlated with x-hat."""
+    from syncbn.batchnorm_act import AMPLIFICATION_BUDGET
+
+    k = AMPLIFICATION_BUDGET[DTYPES[dtype]]
+    bias = (0.9 * k, 0.9 * k * 0.5 * (1 if activation == "elu" else -1), 1.1 * k * 0.25, 0.0)
+    base = Case(world=3, sizes=(3, 0, 4), tail=(6, 5), channels=4, dtype=dtype, steps=2, seed=21,
+                param_dtype="float32" if dtype in ("bfloat16", "float16") else None)
+    case = ActCase(base, activation, param, weight=(1.0, -0.5, 0.25, 1.0), bias=bias, dy_from_x=3.0)
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
 def test_elu_saturated_outputs(pool, dtype):
     """Pre-activations far below zero: ELU's output is -alpha to the last bit there."""
     base = Case(world=2, sizes=(4, 3), tail=(5,), channels=4, dtype=dtype, steps=2, seed=9)
