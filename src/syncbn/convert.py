@@ -249,6 +249,8 @@ def _fuse_traced(root: nn.Module, process_group) -> int:
     children are tried one by one."""
     if not any(True for _ in root.children()) or isinstance(root, (_BatchNorm, _FusedActivation)):
         return 0
+    if isinstance(root, torch.jit.ScriptModule):  # compiled code: nothing to rewire
+        return 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
