@@ -818,3 +818,55 @@ def test_convert_leaves_the_fused_layer_alone_and_revert_splits_it():
     fused = syncbn.fuse_batchnorm_act(converted)
     assert isinstance(fused[0], syncbn.SyncBatchNormAct)
     assert type(syncbn.revert_sync_batchnorm(fused)[0]) is nn.BatchNorm2d
+
+
+# ---- figures: ``python tests/test_batchnorm_act.py`` prints what the tests assert ---------
+
+
+def _figures():
+    import collections
+
+    from syncbn.batchnorm_act import AMPLIFICATION_BUDGET
+    from syncbn.launch import WorkerPool
+
+    print("bytes saved for backward (distinct storages), float32 NCHW, SyncBatchNormAct / BatchNorm2d + act")
+    for shape in [(2, 16, 8, 8), (4, 64, 28, 28), (8, 64, 32, 32), (8, 256, 56, 56)]:
+        x = torch.randn(shape) + 1
+        cells = []
+        for activation, param in [("leaky_relu", 0.01), ("elu", 1.0), ("identity", 0.01)]:
+            ours = syncbn.SyncBatchNormAct(shape[1], activation, param)  # default weights: nothing kept
+            ref = nn.Sequential(nn.BatchNorm2d(shape[1]), torch_activation(activation, param))
+            theirs = saved_bytes(lambda: ref(x.clone().requires_grad_() * 1))
+            mine = saved_bytes(lambda: ours(x.clone().requires_grad_() * 1))
+            cells.append(f"{activation} {mine / theirs:.4f}")
+        print(f"  {str(shape):17s} " + "   ".join(cells))
+
+    hard = []
+    for dtype in DTYPE_NAMES:
+        half = "float32" if dtype in ("bfloat16", "float16") else None
+        k = AMPLIFICATION_BUDGET[DTYPES[dtype]]
+        for activation, param in [("leaky_relu", 0.01), ("elu", 1.0), ("identity", 0.01)]:
+            base = Case(world=3, sizes=(3, 0, 2), tail=(4, 3), channels=7, dtype=dtype, steps=2, seed=5, param_dtype=half)
+            hard.append(ActCase(base, activation, param, weight=HARD_WEIGHT, bias=HARD_BIAS, dy_from_x=1.5))
+            base = Case(world=3, sizes=(3, 0, 4), tail=(6, 5), channels=4, dtype=dtype, steps=2, seed=21, param_dtype=half)
+            bias = (0.9 * k, 0.9 * k * 0.5 * (1 if activation == "elu" else -1), 1.1 * k * 0.25, 0.0)
+            hard.append(ActCase(base, activation, param, weight=(1.0, -0.5, 0.25, 1.0), bias=bias, dy_from_x=3.0))
+        base = Case(world=2, sizes=(4, 3), tail=(5,), channels=4, dtype=dtype, steps=2, seed=9)
+        hard.append(ActCase(base, "elu", 1.0, weight=(1.0, 3.0, -2.0, 0.5), bias=(-30.0, -6.0, -4.0, 0.0), dy_from_x=1.0))
+    pool = WorkerPool(4, backend="gloo", timeout=120)
+    try:
+        for name, cases in [("oracle grid", _grid()), ("zero/negative/tiny weights, |b|/|w| at the budget, ELU saturation", hard)]:
+            worst = collections.defaultdict(lambda: collections.defaultdict(float))
+            for case in cases:
+                for key, err in check_act_case(case, pool.run(run_act_case, case)).items():
+                    worst[case.base.dtype][key] = max(worst[case.base.dtype][key], err)
+            print(f"largest relative errors vs the float64 oracle, {name} ({len(cases)} cases):")
+            for dtype in DTYPE_NAMES:
+                print(f"  {dtype:9s} " + "  ".join(f"{k}={v:.2e}" for k, v in worst[dtype].items())
+                      + f"   (tolerance {TOL[dtype]:.0e})")
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    _figures()
