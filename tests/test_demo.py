@@ -1,0 +1,177 @@
+"""``syncbn demo``: the command end to end (as a user runs it) and its pieces.
+
+The end-to-end tests start the command as a subprocess with a deadline, in a new
+session, and kill that session if the deadline passes, so a stuck worker can never
+hang the suite. They check the figures written to results.json, never timings.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from syncbn import cli, demo
+
+DEADLINE_S = 900  # generous: the quick demo takes well under a minute on 2 idle cores
+OPTIONS = (
+    "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
+    "--quick", "--lr", "--image-size", "--background-weight", "--width", "--train-size",
+    "--val-size", "--eval-every", "--progress",
+)
+
+
+def run_command(args, cwd, timeout=DEADLINE_S):
+    """Run a command in its own session; kill the whole session if it overstays."""
+    proc = subprocess.Popen(
+        args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    return out, err
+
+
+def check_report(out_dir, world_size, launcher):
+    with open(os.path.join(out_dir, "results.json")) as fh:
+        report = json.load(fh)
+    assert report["launcher"] == launcher
+    assert report["config"]["world_size"] == world_size
+    assert report["global_batch"] == world_size * report["config"]["batch_per_rank"]
+    assert report["model"]["batchnorm_layers"] >= 10
+    runs = report["runs"]
+    assert set(runs) == {"per_rank_bn", "syncbn", "big_batch"}
+    steps = report["config"]["steps"]
+    for run in runs.values():
+        assert len(run["loss_curve"]) == steps
+        assert np.isfinite(run["loss_curve"]).all()
+        assert 0.0 <= run["final_val_miou"] <= 1.0
+        assert all(0.0 <= m <= 1.0 for _, m in run["val_miou_curve"])
+        assert run["val_miou_curve"][-1] == [steps, run["final_val_miou"]]
+    # all three start from the same weights, so they are evaluated alike at step 0
+    assert len({run["val_miou_curve"][0][1] for run in runs.values()}) == 1
+
+    sync = report["syncbn_vs_big_batch"]
+    per_rank = report["per_rank_bn_vs_big_batch"]
+    assert sync == runs["syncbn"]["param_rel_diff_vs_big_batch"]
+    assert per_rank == runs["per_rank_bn"]["param_rel_diff_vs_big_batch"]
+    assert "||" in report["param_rel_diff_definition"]
+    assert sync < 1e-3, f"syncbn vs big batch {sync}"
+    assert per_rank > 1e-2 and per_rank > 10 * sync, (per_rank, sync)
+    assert report["syncbn_matches_big_batch"] and report["per_rank_bn_further_away"]
+    assert runs["syncbn"]["buffer_rel_diff_vs_big_batch"] < 1e-3
+    big = runs["big_batch"]["final_loss"]
+    assert abs(runs["syncbn"]["final_loss"] - big) <= 1e-3 * abs(big)
+
+    for name in ("results.json", "curves.png", "samples.png"):
+        path = os.path.join(out_dir, name)
+        assert os.path.getsize(path) > 1000, path
+    for name in ("curves.png", "samples.png"):
+        with open(os.path.join(out_dir, name), "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    return report
+
+
+def test_quick_demo_spawned(tmp_path):
+    out_dir = tmp_path / "demo"
+    out, err = run_command([sys.executable, "-m", "syncbn", "demo", "--quick", "--out", str(out_dir)], tmp_path)
+    check_report(out_dir, 4, "spawned")
+    assert "syncbn matches the big batch" in out
+    for title in ("per-rank BN under DDP", "syncbn under DDP", "one process, batch 8"):
+        assert title in out
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_quick_demo_under_torchrun(tmp_path):
+    out_dir = tmp_path / "demo"
+    out, err = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "syncbn", "demo", "--quick", "--out", str(out_dir)],
+        tmp_path,
+    )
+    check_report(out_dir, 2, "torchrun")
+    assert out.count("syncbn matches the big batch") == 1  # rank 0 alone reports
+
+
+def test_help_documents_every_option(tmp_path):
+    out, _ = run_command([sys.executable, "-m", "syncbn", "demo", "--help"], tmp_path, timeout=300)
+    for option in OPTIONS:
+        assert option in out, option
+    top, _ = run_command([sys.executable, "-m", "syncbn", "--help"], tmp_path, timeout=300)
+    assert "demo" in top
+
+
+# --------------------------------------------------------------------- the pieces
+
+
+def parse(*argv):
+    return demo.config_from_args(cli.build_parser("demo").parse_args(["demo", *argv]))
+
+
+def test_config_defaults_quick_and_explicit_options():
+    config = parse()
+    assert (config.world_size, config.batch_per_rank, config.backend, config.device) == (4, 2, "gloo", "cpu")
+    quick = parse("--quick")
+    assert quick.quick and quick.steps == demo.QUICK["steps"] < config.steps
+    mixed = parse("--quick", "--steps", "7", "--world-size", "3", "--seed", "9")
+    assert (mixed.steps, mixed.world_size, mixed.seed, mixed.val_size) == (7, 3, 9, demo.QUICK["val_size"])
+    assert parse("--device", "cuda").backend == "nccl"
+    assert parse("--device", "cuda", "--backend", "gloo").backend == "gloo"
+
+
+def test_nccl_needs_cuda():
+    with pytest.raises(SystemExit, match="nccl"):
+        cli.main(["demo", "--backend", "nccl", "--device", "cpu"])
+
+
+def test_cli_without_a_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "demo" in capsys.readouterr().out
+
+
+def test_global_batches_are_seeded_epochs():
+    a = demo.global_batches(10, 7, 4, seed=1)
+    assert a.shape == (7, 4)
+    np.testing.assert_array_equal(a, demo.global_batches(10, 7, 4, seed=1))
+    flat = a.ravel()
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert not np.array_equal(a, demo.global_batches(10, 7, 4, seed=2))
+
+
+def test_mean_of_rank_losses_is_the_big_batch_loss():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 11, 6, 6, generator=gen, dtype=torch.float64)
+    masks = torch.randint(0, 11, (8, 6, 6), generator=gen)
+    weight = torch.rand(11, generator=gen, dtype=torch.float64) + 0.1
+    big = demo.per_image_loss(logits, masks, weight).mean()
+    ranks = [demo.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
+    torch.testing.assert_close(torch.stack(ranks).mean(), big, rtol=1e-14, atol=0)
+
+
+def test_learning_rate_decays_from_the_peak():
+    config = demo.DemoConfig(steps=10, lr=0.1)
+    rates = [demo.learning_rate(config, s) for s in range(1, 11)]
+    assert rates[0] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] > 0
+
+
+def test_relative_difference():
+    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 0.0])}
+    same = {k: v.clone() for k, v in ref.items()}
+    assert demo.relative_difference(same, ref)[0] == 0.0
+    moved = {"a": torch.tensor([3.0, 4.5]), "b": torch.tensor([1.0, 0.0])}
+    value, name = demo.relative_difference(moved, ref)
+    assert name == "a" and value == pytest.approx(0.1)
+
+
+def test_eval_steps_end_at_the_last_step():
+    assert demo.DemoConfig(steps=10, eval_every=4).eval_steps() == [0, 4, 8, 10]
