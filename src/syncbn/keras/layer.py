@@ -53,6 +53,30 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     With ``renorm=True`` (batch renormalization), the corrections ``r`` and ``d`` and
     the renorm moving statistics are computed from the synchronized batch statistics.
 
+    Training needs more than one value per channel in the whole batch (every replica's
+    batch together, masked-out elements not counted). With at most one, the layer
+    raises, naming itself and the count, on every replica alike, instead of
+    normalizing with a meaningless variance (Keras's own layer does not check; an empty
+    batch would pull its moving variance toward 0). ``torch.nn.BatchNorm`` raises too.
+    How it raises depends on when the count is known:
+
+    - Where the layer sees the whole batch (no distribution, one replica, or JAX) and
+      its static shape holds at most one value per channel: ``ValueError`` when the
+      layer is called or traced.
+    - Otherwise the count is known only when the step runs (after the all-reduce, from
+      a mask, or from a dynamic batch size). TensorFlow: ``tf.errors.InvalidArgumentError``
+      from an assertion the outputs depend on (eagerly, in ``tf.function``,
+      ``strategy.run`` and ``fit``; nothing is updated). XLA compiles assertions to
+      nothing, so under ``jit_compile=True`` (Keras's default for ``fit`` on one GPU)
+      this check is skipped. PyTorch: ``ValueError`` after reading the count on the
+      host, which only a rank whose own batch may hold at most one value per channel
+      does (with a mask, every rank does); an asynchronous assertion under
+      ``torch.compile``.
+    - JAX with a mask: the count depends on the data, which a jitted function cannot
+      raise on; it is not checked.
+
+    Inference (``training=False``) never checks.
+
     The batch variance never goes negative and has no cancellation error: float32
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
     reference (Keras's ``synchronized=True`` computes ``E[x^2] - E[x]^2`` in float32).
@@ -208,18 +232,54 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def _batch_statistics(self, x, mask):
         """Per-channel ``(mean, biased var)`` of this training batch, over every replica
-        where a distribution is active; one all-reduce each way when it needs one."""
+        where a distribution is active; one all-reduce each way when it needs one.
+        Fails when the whole batch holds at most one value per channel (see the class
+        docstring for how each backend raises)."""
         # The moving mean is the same on every replica: the shift for the packed sums.
         shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
+        # Elements per channel by static shape (None if unknown); with a mask, an upper bound.
+        bound = moments.static_count(x, self.axis)
+        message = self._too_few_message()
         backend = keras.backend.backend()
         if backend == "tensorflow":
             ctx = replicas.tf_replica_context()
             if ctx is not None:
-                return replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
+                count, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
+                local = None
+                if mask is None:
+                    local = bound if bound is not None else moments.element_count(x, self.axis, None, "int32")
+                return replicas.tf_require_count(count, message, (mean, var), local=local)
         elif backend == "torch":
             if replicas.torch_world_size() > 1:
-                return replicas.torch_sync_moments(x, self.axis, mask, shift)
-        return moments.batch_moments(x, self.axis, mask)
+                count, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
+                replicas.torch_require_count(count, message, local=bound if mask is None else None)
+                return mean, var
+
+        # One replica, or a backend that presents the whole batch as one array: the
+        # local count is the global one.
+        if bound is not None and bound <= 1:
+            before, after = message
+            raise ValueError(f"{before} {bound if mask is None else f'at most {bound}'} {after}")
+        mean, var = moments.batch_moments(x, self.axis, mask)
+        if bound is not None and mask is None:
+            return mean, var
+        count = moments.element_count(x, self.axis, mask, "int32")
+        if backend == "tensorflow":
+            return replicas.tf_require_count(count, message, (mean, var))
+        if backend == "torch":
+            replicas.torch_require_count(count, message)
+        # JAX: a masked count depends on the data, which jit cannot raise on: unchecked.
+        return mean, var
+
+    def _too_few_message(self):
+        """The error for a training batch of at most one value per channel, as the text
+        before and after the count."""
+        return (
+            f"{self.name}: expected more than 1 value per channel when training, got",
+            "value(s) per channel in the whole batch (all replicas together, masked-out "
+            "elements not counted). Batch statistics need at least 2: use a larger batch, "
+            "drop an incomplete last batch, or call the layer with training=False",
+        )
 
     def _normalize(self, x, mean, var, gamma, beta):
         """``(x - mean) * (gamma / sqrt(var + eps)) + beta``, subtracting the mean first

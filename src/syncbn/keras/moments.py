@@ -31,6 +31,7 @@ __all__ = [
     "reduction_axes",
     "broadcast_shape",
     "element_mask",
+    "static_count",
     "element_count",
     "local_moments",
     "batch_moments",
@@ -61,6 +62,18 @@ def element_mask(mask, inputs, axis: int):
     shape = list(ops.shape(inputs))
     shape[axis % len(inputs.shape)] = 1
     return ops.broadcast_to(mask, shape)
+
+
+def static_count(inputs, axis: int):
+    """Elements per channel that the static shape of ``inputs`` holds (a mask may keep
+    fewer), or None when a dimension other than the channel axis is unknown."""
+    count = 1
+    for i in reduction_axes(len(inputs.shape), axis):
+        size = inputs.shape[i]
+        if size is None:
+            return None
+        count = count * size
+    return count
 
 
 def element_count(inputs, axis: int, mask, dtype):
