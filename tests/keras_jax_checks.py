@@ -184,6 +184,46 @@ def numerics():
     return {"variance_relative_error_at_ratio_1e3": info}
 
 
+@check
+def too_few_values_raise():
+    """Training on a batch of one sample (static shapes: one value per channel) raises a
+    ValueError naming the layer and the count, eagerly and under jit, and updates
+    nothing; inference and a batch of 1 with 4 values per channel are fine. (A masked
+    count is data-dependent under jit and is not checked: see the layer docstring.)"""
+    import jax
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(22)
+    layer = SyncBatchNormalization()
+    layer.build((None, 3))
+    before = [np.asarray(w) for w in layer.get_weights()]
+    one = (rng.standard_normal((1, 3)) + 2).astype(np.float32)
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+    jitted = jax.jit(lambda x: layer.stateless_call(trainable, non_trainable, x, training=True))
+    info = {}
+    for name, fn in (("eager", lambda: layer(one, training=True)), ("jit", lambda: jitted(one)),
+                     ("jit, batch 0", lambda: jitted(one[:0]))):
+        try:
+            fn()
+        except ValueError as err:
+            count = 0 if name.endswith("0") else 1
+            expected = f"{layer.name}: expected more than 1 value per channel when training, got {count} value(s)"
+            assert expected in str(err), str(err)
+            info[name] = next(line for line in str(err).splitlines() if "expected" in line)[:160]
+        else:
+            raise AssertionError(f"{name}: no ValueError for a batch of one sample")
+    for a, b in zip(layer.get_weights(), before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    layer(one, training=False)
+    jitted(np.tile(one, (2, 1)))
+    wide = SyncBatchNormalization()
+    wide(rng.standard_normal((1, 4, 3)).astype(np.float32), training=True)
+    return info
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -6,7 +6,8 @@ part of the batch and saves its input, ``dy``, mask, output, input gradient, gam
 gradients, initial and final weights to ``<out>/<case>-<index>.npz``; the test joins
 the two workers' files and compares them with the float64 oracle. It also counts the
 ``CollectiveReduceV2`` ops in the traced forward+backward graph of one layer call, for
-this layer and for Keras's ``BatchNormalization(synchronized=True)``.
+this layer and for Keras's ``BatchNormalization(synchronized=True)``, and last trains
+on one value per channel in all (both workers must raise) and then on two.
 
     python tests/keras_multiworker_worker.py --index I --out DIR
 """
@@ -129,6 +130,23 @@ def main():
         counts[name] = {"forward": collective_ops(forward), "forward_and_backward": collective_ops(both)}
         tf.function(grad_step)(x)  # and it runs
     (out / f"collectives-{args.index}.json").write_text(json.dumps(counts))
+
+    # Too few values: batches of 1 and 0 samples (one value per channel in all) make both
+    # workers raise; then batches of 1 and 1 (two values) train, so no worker was left
+    # behind in a collective.
+    with strategy.scope():
+        layer = SyncBatchNormalization()
+        layer.build((None, 3))
+    step = tf.function(lambda x: strategy.run(
+        lambda x: tf.gradients(tf.reduce_sum(layer(x, training=True) ** 2), x)[0], args=(x,)))
+    outcome = {"layer": layer.name}
+    try:
+        step(tf.ones((1 - args.index, 3)))
+        outcome["1, 0"] = "no error"
+    except tf.errors.InvalidArgumentError as err:
+        outcome["1, 0"] = str(err)
+    outcome["1, 1"] = np.asarray(step(tf.constant([[1.0, 2.0, 3.0]]) * (args.index + 1))).tolist()
+    (out / f"too_few-{args.index}.json").write_text(json.dumps(outcome))
 
 
 if __name__ == "__main__":

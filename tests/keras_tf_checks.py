@@ -802,6 +802,100 @@ def custom_loop_example():
     return {"losses": losses}
 
 
+def expect_too_few(exc_type, layer, count, fn):
+    """``fn()`` raises ``exc_type`` naming ``layer`` and the global ``count``; returns the text."""
+    import re
+
+    try:
+        fn()
+    except exc_type as err:
+        text = str(err)
+        assert f"{layer.name}: expected more than 1 value per channel when training" in text, text
+        # "got 1 value(s)" (ValueError), "got] [1] [value(s)" (graph), "got'\n1\nb'value(s)" (eager)
+        assert re.search(rf"got\W+{count}\W+(b')?value\(s\)", text), text
+        return next(line for line in text.splitlines() if "expected more than 1" in line)[:160]
+    raise AssertionError(f"no {exc_type.__name__} raised for a count of {count}")
+
+
+@check
+def too_few_values_raise():
+    """Training with at most one value per channel in the whole batch raises, naming the
+    layer and the count, on every replica, and updates nothing; (1, 1) is fine. Static
+    shapes: ValueError at the call; counts known when the step runs (after the
+    all-reduce, a mask, a dynamic batch): InvalidArgumentError. Kept last: it makes
+    steps fail on the shared strategy (the check shows that later steps still run)."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(14)
+    info = {}
+    error = tf.errors.InvalidArgumentError
+
+    # One device: a batch of one sample, static (eager) and dynamic (tf.function).
+    layer = make_layer(SyncBatchNormalization, 3, 2, rng)
+    before = layer.get_weights()
+    one = rng.standard_normal((1, 3)).astype(np.float32) + 2
+    info["eager, batch 1"] = expect_too_few(ValueError, layer, 1, lambda: layer(one, training=True))
+    step = tf.function(lambda x: layer(x, training=True), input_signature=[tf.TensorSpec((None, 3))])
+    info["tf.function, batch 1"] = expect_too_few(error, layer, 1, lambda: step(one))
+    expect_too_few(error, layer, 0, lambda: step(one[:0]))
+    masked = tf.function(lambda x, m: layer(x, training=True, mask=m))
+    expect_too_few(error, layer, 1, lambda: masked(np.tile(one, (4, 1)), np.array([0, 0, 1, 0], bool)))
+    for a, b in zip(layer.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    layer(one, training=False)  # inference never checks
+    step(np.tile(one, (2, 1)))
+    bigger = make_layer(SyncBatchNormalization, 3, 3, rng)
+    bigger(rng.standard_normal((1, 4, 3)).astype(np.float32), training=True)  # 4 values per channel
+
+    # Two replicas, per-replica batches (1, 0): every replica raises.
+    strategy = mirrored(2)
+    with strategy.scope():
+        layer = make_layer(SyncBatchNormalization, 3, 2, rng)
+    before = layer.get_weights()
+    xs, dys = oracle.make_inputs(rng, [1, 0], (3,), 3)
+    info["mirrored (1, 0)"] = expect_too_few(error, layer, 1, lambda: train_step(strategy, layer, xs, dys))
+    raised = {}
+
+    def replica(x):  # eager: each replica thread sees its own error
+        try:
+            layer(x, training=True)
+        except error as err:
+            raised[int(tf.distribute.get_replica_context().replica_id_in_sync_group)] = str(err)
+
+    strategy.run(replica, args=(per_replica(strategy, xs),))
+    assert sorted(raised) == [0, 1], raised
+    assert all(layer.name in text for text in raised.values()), raised
+    masks = [np.array([False, True, False]), np.zeros(2, bool)]
+    mxs, mdys = oracle.make_inputs(rng, [3, 2], (3,), 3)
+    expect_too_few(error, layer, 1, lambda: train_step(strategy, layer, mxs, mdys, masks))
+    dataset = tf.data.Dataset.from_tensor_slices(xs[0]).batch(2)  # dynamic batch: 1 sample over 2 replicas
+    dynamic = tf.function(lambda x: strategy.run(lambda x: layer(x, training=True), args=(x,)))
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        expect_too_few(error, layer, 1, lambda: dynamic(batch))
+    for a, b in zip(layer.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+    # (1, 1): two values in all, fine and exact; the strategy still works after the errors.
+    xs, dys = oracle.make_inputs(rng, [1, 1], (3,), 3)
+    ref = oracle_for(layer, xs, dys)
+    info["mirrored (1, 1) max_abs_error"] = compare(train_step(strategy, layer, xs, dys), ref, layer)
+
+    # model.fit: the last batch holds 1 sample for 2 replicas; fit raises (no hang).
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), SyncBatchNormalization(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    bn = model.layers[1]
+    x, y = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 1)).astype(np.float32)
+    info["fit, last batch 1"] = expect_too_few(
+        error, bn, 1, lambda: model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0))
+    model.fit(x[:4], y[:4], batch_size=4, epochs=1, verbose=0)
+    return info
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

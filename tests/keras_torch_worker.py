@@ -55,6 +55,20 @@ def check_local(info):
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
+    # One value per channel in training (a batch of 1, or a mask that keeps 1): ValueError.
+    layer = SyncBatchNormalization()
+    layer.build((None, 3))
+    too_few = {}
+    for name, x, mask in (("batch 1", torch.ones(1, 3), None),
+                          ("mask keeps 1", torch.ones(4, 3), torch.tensor([False, True, False, False]))):
+        try:
+            layer(x, training=True, mask=mask)
+            too_few[name] = "no error"
+        except ValueError as err:
+            too_few[name] = str(err)
+    layer(torch.ones(1, 3), training=False)
+    info["local_too_few"] = {**too_few, "layer": layer.name}
+
     x = (rng.standard_normal((256, 16, 4)) + 1000.0).astype(np.float32)
     reference = x.astype(np.float64).reshape(-1, 4).var(0)
     errors = {}
@@ -64,6 +78,42 @@ def check_local(info):
         errors[name] = oracle.variance_relative_error(layer.moving_variance.numpy(), reference)
     assert errors["syncbn"] <= 1e-5, errors
     info["local_variance_relative_error_at_ratio_1e3"] = errors
+
+
+def check_too_few(info, rank, calls):
+    """Per-rank batches with (1, 0) samples, one value per channel in all: both ranks
+    raise; (1, 1) and then (5, 0) train. Records the errors, the all-reduce sizes, and
+    the host reads (``Tensor.item``) of each call: only a rank whose own batch holds at
+    most one value per channel reads the count."""
+    import torch
+
+    from syncbn.keras import SyncBatchNormalization
+
+    layer = SyncBatchNormalization()
+    layer.build((None, 3))
+    reads = []
+    item = torch.Tensor.item
+
+    def counting_item(self):
+        reads.append(self.numel())
+        return item(self)
+
+    results = {"layer": layer.name}
+    torch.Tensor.item = counting_item
+    try:
+        for sizes in ((1, 0), (1, 1), (5, 0)):
+            calls.clear()
+            reads.clear()
+            x = torch.arange(1.0, 3 * sizes[rank] + 1).reshape(sizes[rank], 3).requires_grad_()
+            try:
+                (layer(x, training=True) ** 2).sum().backward()
+                outcome = "trained" if bool(torch.isfinite(x.grad).all()) else "non-finite gradient"
+            except ValueError as err:
+                outcome = str(err)
+            results[str(sizes)] = {"outcome": outcome, "all_reduce": list(calls), "host_reads": len(reads)}
+    finally:
+        torch.Tensor.item = item
+    info["too_few"] = results
 
 
 def main():
@@ -119,6 +169,7 @@ def main():
                 dbeta=layer.beta.value.grad.numpy(),
                 **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in final.items()},
             )
+        check_too_few(info, args.rank, calls)
     finally:
         syncbn.distributed.all_reduce_sum = original
         dist.destroy_process_group()

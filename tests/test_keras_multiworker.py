@@ -60,3 +60,12 @@ def test_one_collective_each_way(run):
         counts = json.loads((out / f"collectives-{i}.json").read_text())
         assert counts["syncbn"] == {"forward": 1, "forward_and_backward": 2}, counts
         print(f"worker {i}: CollectiveReduceV2 ops per layer call: {counts}")
+
+
+def test_too_few_values_raise_on_both_workers(run):
+    out, _ = run
+    for i in range(2):
+        outcome = json.loads((out / f"too_few-{i}.json").read_text())
+        text = outcome["1, 0"]
+        assert f"{outcome['layer']}: expected more than 1 value per channel when training, got] [1]" in text, text
+        assert np.all(np.isfinite(outcome["1, 1"])), outcome
