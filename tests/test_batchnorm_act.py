@@ -611,6 +611,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
     ref(x.detach().requires_grad_()).square().sum().backward()
     for p, q in zip(block.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for (name, b1), b2 in zip(block.named_buffers(), ref.buffers()):  # moved once, not twice
+        torch.testing.assert_close(b1, b2, rtol=1e-6, atol=1e-7, msg=name)
 
 
 # ---- memory -------------------------------------------------------------------------

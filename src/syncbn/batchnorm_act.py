@@ -89,7 +89,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed, stats
-from .functional import check_input
+from .functional import check_input, recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS"]
 
@@ -500,9 +500,10 @@ class SyncBatchNormAct(_BatchNorm):
     def _check_input_dim(self, input: Tensor) -> None:
         check_input(input, self.num_features, type(self).__name__)
 
-    def _momentum(self, as_tensor: bool):
-        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``."""
-        if not (self.training and self.track_running_stats):
+    def _momentum(self, as_tensor: bool, count: bool = True):
+        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``
+        (unless ``count`` is False: a checkpoint recomputation)."""
+        if not (self.training and self.track_running_stats and count):
             return 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -522,10 +523,15 @@ class SyncBatchNormAct(_BatchNorm):
         syncing = not local_plain and distributed.group_size(self.process_group) > 1
         if not syncing and input.numel() == 0:
             local_plain = True  # an empty batch on one process: as torch.nn does it
-        momentum = self._momentum(as_tensor=not local_plain)
+        # a checkpoint's recomputed forward (as SyncBatchNorm): same output, buffers moved once
+        again = self.training and recomputing()
+        momentum = self._momentum(as_tensor=not local_plain, count=not again)
         track = not bn_training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
+        if again:  # the recomputation's update lands in throwaway copies
+            running_mean = None if running_mean is None else running_mean.clone()
+            running_var = None if running_var is None else running_var.clone()
         if local_plain:
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
