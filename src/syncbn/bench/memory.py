@@ -5,17 +5,20 @@ Both run in the torch peer's worker processes, on the ranks of a process group o
 (so syncbn's synchronized path is the one measured), with an allocator that returns
 every large block to the system when it is freed (see ``torch_peer``):
 
-- saved bytes: the tensors autograd keeps between forward and backward, counted with
-  ``torch.autograd.graph.saved_tensors_hooks`` (each storage once, whole), for a block
+- saved bytes: the tensors autograd keeps between forward and backward
+  (:func:`syncbn.memory.saved_bytes`: each storage once, whole; the block's own
+  parameters and buffers left out), for a block
   BN -> LeakyReLU(0.01) on an input of (batch, C, size, size), float32: plain torch,
   syncbn, and the fused ``syncbn.SyncBatchNormAct`` (which needs an invertible
   activation, hence LeakyReLU rather than ReLU);
 - peak memory: the rise of the resident set (``VmHWM`` after the step minus ``VmRSS``
   before it, the high-water mark reset through ``/proc/self/clear_refs``) over one
-  forward, loss, backward and SGD step of :class:`syncbn.models.TinyUNet` with
+  forward, loss, backward and SGD step, started with no gradients allocated, of :class:`syncbn.models.TinyUNet` with
   LeakyReLU activations, after a warm-up step, on rank 0; the variants are measured in
   turn, twice, and the second round is reported. Linux only; elsewhere the figure is
-  reported as not available.
+  reported as not available. Beside it, the peak of the bytes allocated during a step
+  (:func:`syncbn.memory.peak_memory`, from the profiler's allocation events), which
+  does not depend on the allocator.
 
 The fused rows are measured when ``syncbn.SyncBatchNormAct`` and
 ``syncbn.fuse_batchnorm_act`` can be imported, and reported as not available with the
@@ -24,27 +27,9 @@ reason otherwise.
 
 from __future__ import annotations
 
-import os
-from typing import Callable, Optional
+from typing import Optional
 
-__all__ = ["saved_bytes", "block_rows", "peak_step_rows"]
-
-
-def saved_bytes(fn: Callable[[], object]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs."""
-    import torch
-
-    seen = {}
-
-    def pack(tensor):
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+__all__ = ["block_rows", "peak_step_rows"]
 
 
 LEAKY_SLOPE = 0.01  # the fused layer takes invertible activations: LeakyReLU(0.01) here
@@ -57,6 +42,7 @@ def block_rows(spec: dict, group=None) -> list:
     import torch.nn as nn
 
     from ..batchnorm import SyncBatchNorm
+    from ..memory import saved_bytes
 
     c, n, s = spec["channels"], spec["batch"], spec["size"]
     input_bytes = n * c * s * s * 4
@@ -82,7 +68,7 @@ def block_rows(spec: dict, group=None) -> list:
             continue
         block = build()
         x = (torch.randn(n, c, s, s) + 1).requires_grad_()
-        nbytes = saved_bytes(lambda: block(x).sum().backward())
+        nbytes = saved_bytes(lambda: block(x), ignore=[block])  # activations only, not weights or buffers
         rows.append({"block": name, "saved_bytes": nbytes, "input_bytes": input_bytes, "available": True,
                      "ratio_to_input": nbytes / input_bytes})
     return rows
@@ -155,6 +141,8 @@ def peak_step_rows(spec: dict, group=None) -> Optional[list]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from ..memory import peak_memory
+
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     n, s = spec["model_batch"], spec["model_size"]
     rows = {}
@@ -174,12 +162,13 @@ def peak_step_rows(spec: dict, group=None) -> Optional[list]:
             target = torch.randint(0, 11, (n, s, s), generator=gen)
 
             def step():
-                opt.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(x), target)
                 loss.backward()
                 opt.step()
 
             step()  # warm-up: optimizer state, allocator, autograd caches
+            # the step starts from parameters and optimizer state alone (no gradients)
+            opt.zero_grad(set_to_none=True)
             if _status_kib() is None or not _reset_high_water():
                 rows[name] = {"model": name, "available": False, "reason": "needs Linux /proc/self/status and clear_refs"}
                 continue
@@ -187,9 +176,11 @@ def peak_step_rows(spec: dict, group=None) -> Optional[list]:
             step()
             after = _status_kib()
             rise = (after["VmHWM"] - before["VmRSS"]) * 1024
+            opt.zero_grad(set_to_none=True)
+            allocated = peak_memory(step)  # a third step, under the profiler's allocation events
             previous = rows.get(name, {}).get("rounds", [])
             rows[name] = {"model": name, "available": True, "batch": n, "size": s, "peak_rise_bytes": rise,
                           "peak_rss_bytes": after["VmHWM"] * 1024, "rounds": previous + [rise],
-                          "fused_layers": _count_fused(model)}
+                          "peak_allocated_bytes": allocated, "fused_layers": _count_fused(model)}
             del model, opt, step
     return list(rows.values()) if rank == 0 else None
