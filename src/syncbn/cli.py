@@ -28,6 +28,10 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
         "syncbn.demo",
         "train a small segmentation net three ways (per-rank BN, syncbn, one big batch) and compare",
     ),
+    "bench": (
+        "syncbn.bench",
+        "measure syncbn against torch, Keras and Flax batch norms: speed, communication, memory, numerics",
+    ),
 }
 
 
