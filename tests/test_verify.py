@@ -1,0 +1,77 @@
+"""``syncbn verify`` on the factories of tests/verify_models.py: a small ResNet passes; a
+model that skips a BN layer on rank 1 fails cleanly, naming the layer, without hanging.
+The two command runs are subprocesses with a hard timeout, started together."""
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from syncbn import verify
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPE = "2,3,8,8"
+
+
+def command(target, *extra):
+    return [sys.executable, "-m", "syncbn.verify", target, "--input-shape", SHAPE, "--steps", "2", "--timeout", "30", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Run both commands at once (they spend most of their time starting processes)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs = {
+        name: subprocess.Popen(
+            command(f"verify_models:{name}"), cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name in ("resnet_tiny", "skip_on_rank")
+    }
+    done = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            done[name] = (proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
+def test_resnet_passes(runs):
+    code, out, err = runs["resnet_tiny"]
+    assert code == 0, out + err
+    assert "PASS" in out
+    for layer in ("stem.1", "layer1.bn1", "layer1.bn2", "layer2.down.1", "head_bn"):
+        assert f"\n{layer} " in out, layer
+    assert "parameters after step 2" in out
+
+
+def test_rank_dependent_skip_fails_naming_the_layer(runs):
+    code, out, err = runs["skip_on_rank"]
+    assert code == 1, out + err
+    assert "FAIL" in out and "out of step" in out
+    assert "'layer1.bn2'" in out
+    assert "Traceback" not in out
+
+
+def test_layer_called_twice_passes_and_is_reported(pool):
+    spec = verify.VerifySpec("verify_models:twice", (2, 3, 6, 6), world_size=4, steps=2, sys_path=[HERE])
+    buf = io.StringIO()
+    assert verify.verify(spec, out=buf, pool=pool) == 0, buf.getvalue()
+    row = next(line for line in buf.getvalue().splitlines() if line.startswith("bn "))
+    assert row.split()[1] == "2"  # calls per step
+
+
+def test_usage_errors_exit_2(capsys):
+    assert verify.main(["verify_models:nope", "--input-shape", SHAPE]) == 2
+    assert verify.main(["no_such_module_here:f", "--input-shape", SHAPE]) == 2
+    assert verify.main(["verify_models", "--input-shape", SHAPE]) == 2
+    assert verify.main(["verify_models:twice", "--input-shape", SHAPE, "--world-size", "1"]) == 2
+    with pytest.raises(SystemExit):
+        verify.main(["verify_models:twice", "--input-shape", "2"])
+    assert "no attribute" in capsys.readouterr().err
