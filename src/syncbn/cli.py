@@ -32,6 +32,10 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
         "syncbn.bench",
         "measure syncbn against torch, Keras and Flax batch norms: speed, communication, memory, numerics",
     ),
+    "verify": (
+        "syncbn.verify",
+        "check that syncbn on W local processes trains your model exactly like one process on the whole batch",
+    ),
 }
 
 
