@@ -1,6 +1,7 @@
 """``syncbn verify`` on the factories of tests/verify_models.py: a small ResNet passes; a
 model that skips a BN layer on rank 1 fails cleanly, naming the layer, without hanging.
-The two command runs are subprocesses with a hard timeout, started together."""
+The two command runs (`python -m syncbn verify ...`) are subprocesses with a hard
+timeout, started together."""
 
 import io
 import os
@@ -16,7 +17,7 @@ SHAPE = "2,3,8,8"
 
 
 def command(target, *extra):
-    return [sys.executable, "-m", "syncbn.verify", target, "--input-shape", SHAPE, "--steps", "2", "--timeout", "30", *extra]
+    return [sys.executable, "-m", "syncbn", "verify", target, "--input-shape", SHAPE, "--steps", "2", "--timeout", "30", *extra]
 
 
 @pytest.fixture(scope="module")
