@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from syncbn.digits import CLASS_NAMES, NUM_CLASSES, make_split, source_pools
+from syncbn.digits import CLASS_NAMES, NUM_CLASSES, _load_source, make_split, source_pools
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
@@ -12,6 +12,12 @@ sklearn_datasets = pytest.importorskip("sklearn.datasets")
 def source():
     bunch = sklearn_datasets.load_digits()
     return bunch.images, bunch.target
+
+
+def test_source_is_load_digits(source):
+    images, targets = _load_source()
+    np.testing.assert_array_equal(images, (source[0] / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(targets, source[1])
 
 
 def test_shapes_dtypes_and_ranges():

@@ -57,13 +57,36 @@ class DigitsSegmentation:
         return len(self.images)
 
 
+def _read_bundled_csv():
+    """The (1797, 65) table behind ``load_digits`` (8x8 pixels, then the class), read
+    straight from the file scikit-learn ships, without importing scikit-learn (which
+    costs seconds in each worker process). None if the file is not where expected."""
+    import gzip
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("sklearn")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            with gzip.open(path, "rt") as fh:
+                table = np.loadtxt(fh, delimiter=",")
+            if table.shape == (1797, 65):
+                return table
+    return None
+
+
 @lru_cache(maxsize=1)
 def _load_source() -> Tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
+    """The source digits as float32 (1797, 8, 8) in [0, 1] and their classes."""
+    table = _read_bundled_csv()
+    if table is None:  # another layout: ask scikit-learn
+        from sklearn.datasets import load_digits
 
-    bunch = load_digits()
-    images = (bunch.images / 16.0).astype(np.float32)  # 0..16 in the file
-    return images, bunch.target.astype(np.int64)
+        bunch = load_digits()
+        table = np.concatenate([bunch.data, bunch.target[:, None]], axis=1)
+    images = (table[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32)  # 0..16 in the file
+    return images, table[:, 64].astype(np.int64)
 
 
 def source_pools(seed: int, val_fraction: float = 0.25) -> Tuple[np.ndarray, np.ndarray]:
