@@ -161,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--background-weight", type=float, default=None, metavar="W",
         help=f"weight of background pixels in the cross-entropy, digits weigh 1 (default {d.background_weight})")
     add("--image-size", type=int, default=None, metavar="S",
-        help=f"side of the square canvases in pixels, a multiple of 8 (default {d.image_size})")
+        help=f"side of the square canvases in pixels, a multiple of 8, at least 16 (default {d.image_size})")
     add("--width", type=_positive, default=None,
         help=f"channels of the network's first stage, doubled at each level (default {d.width})")
     add("--train-size", type=_positive, default=None, metavar="N",
@@ -210,8 +210,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def _check(config: DemoConfig) -> None:
     if config.backend == "nccl" and config.device != "cuda":
         raise SystemExit("syncbn demo: --backend nccl needs --device cuda")
-    if config.image_size < 8 or config.image_size % 8:
-        raise SystemExit(f"syncbn demo: --image-size must be a multiple of 8, got {config.image_size}")
+    if config.image_size < 16 or config.image_size % 8:
+        raise SystemExit(f"syncbn demo: --image-size must be a multiple of 8, at least 16, got {config.image_size}")
     if config.lr <= 0 or not math.isfinite(config.lr):
         raise SystemExit(f"syncbn demo: --lr must be positive, got {config.lr}")
     if config.background_weight <= 0 or not math.isfinite(config.background_weight):
