@@ -36,6 +36,11 @@ __all__ = [
 
 _HALF = (torch.float16, torch.bfloat16)
 
+# Devices whose ATen build has the native batch-norm statistics and backward-reduction
+# kernels used below (fast, any memory layout). Elsewhere (MPS, XPU, out-of-tree
+# backends) the same quantities come from portable composite ops.
+NATIVE_KERNEL_DEVICES = {"cpu", "cuda"}
+
 
 def reduce_dims(ndim: int) -> list:
     """Dimensions to reduce for an input of ``ndim`` dims laid out as (N, C, *)."""
