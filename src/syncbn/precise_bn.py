@@ -167,7 +167,10 @@ def precise_bn(
         try:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=num_batches, desc="precise_bn", unit="batch")
+            total = num_batches
+            if hasattr(batches, "__len__"):  # a list or a DataLoader: show what will really run
+                total = min(total, len(batches))
+            bar = tqdm(total=total, desc="precise_bn", unit="batch")
         except ImportError:
             pass
     done = 0
