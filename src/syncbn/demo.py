@@ -51,7 +51,7 @@ from .digits import CLASS_NAMES, NUM_CLASSES, make_split
 from .launch import WorkerPool, launched_by_torchrun
 from .models import build_segmentation_model, count_batchnorm
 
-__all__ = ["DemoConfig", "add_arguments", "run", "train_on_rank", "write_report"]
+__all__ = ["DemoConfig", "add_arguments", "run", "run_title", "train_on_rank", "write_report"]
 
 HELP = "train a small segmentation net three ways (per-rank BN, syncbn, one big batch) and compare"
 
@@ -78,11 +78,17 @@ Under torchrun it uses the processes torchrun started and spawns nothing:
 """
 
 RUNS = ("per_rank_bn", "syncbn", "big_batch")
-RUN_TITLES = {
-    "per_rank_bn": "per-rank BN under DDP",
-    "syncbn": "syncbn under DDP",
-    "big_batch": "one process, big batch",
-}
+
+
+def run_title(name: str, global_batch: int) -> str:
+    """How the tables, plots and progress bars call each run."""
+    return {
+        "per_rank_bn": "per-rank BN under DDP",
+        "syncbn": "syncbn under DDP",
+        "big_batch": f"one process, batch {global_batch}",
+    }[name]
+
+
 DIFF_BAR = 1e-3
 DIFF_DEFINITION = (
     "max over parameter tensors p of ||p_run - p_big_batch||_2 / ||p_big_batch||_2 "
@@ -442,7 +448,8 @@ def _train(run_name: str, position: int, model: nn.Module, config: DemoConfig, d
     class_weight[0] = config.background_weight
     eval_steps = set(config.eval_steps())
     record = _Record()
-    bar = _bar(config, ctx, position, RUN_TITLES[run_name]) if ctx.main else None
+    title = run_title(run_name, config.global_batch)
+    bar = _bar(config, ctx, position, title) if ctx.main else None
     model.train()
 
     def evaluate(step: int) -> None:
@@ -485,7 +492,7 @@ def _train(run_name: str, position: int, model: nn.Module, config: DemoConfig, d
         record.predictions = net(data.val_x[: config.samples]).argmax(1).cpu().numpy().astype(np.uint8)
         net.train()
     if not ctx.progress:
-        print(f"[{position}/3] {RUN_TITLES[run_name]}: {config.steps} steps in {record.seconds:.1f} s, "
+        print(f"[{position}/3] {title}: {config.steps} steps in {record.seconds:.1f} s, "
               f"final loss {record.losses[-1]:.4f}, val mIoU {record.miou[config.steps]:.3f}", flush=True)
     return record
 
@@ -539,7 +546,7 @@ def _summarize(config, launcher, records, sample_x, sample_y) -> dict:
     for name in RUNS:
         rec = records[name]
         entry = {
-            "title": RUN_TITLES[name],
+            "title": run_title(name, config.global_batch),
             "final_loss": rec.losses[-1],
             "final_val_miou": rec.miou[final],
             "seconds": rec.seconds,
@@ -628,7 +635,7 @@ def format_table(report: dict) -> str:
     ]
     for i, name in enumerate(RUNS, 1):
         r = runs[name]
-        title = r["title"] if name != "big_batch" else f"one process, batch {report['global_batch']}"
+        title = r["title"]
         diff = f"{r['param_rel_diff_vs_big_batch']:.2e}" if name != "big_batch" else "(reference)"
         lines.append(f"{i} {title:<26}{r['final_loss']:>12.6f}{r['final_val_miou']:>10.4f}{diff:>26}"
                      f"{r['seconds']:>8.1f}s")
@@ -690,7 +697,7 @@ def _plot_curves(report: dict, path: str) -> None:
         x = np.arange(1, len(losses) + 1)
         ax.plot(x, losses, color=_COLORS[name], alpha=0.15, linewidth=0.8)
         ax.plot(x, _smooth(losses, window), color=_COLORS[name], linestyle=_STYLES[name], linewidth=1.8,
-                label=runs[name]["title"] if name != "big_batch" else f"one process, batch {report['global_batch']}")
+                label=runs[name]["title"])
     smoothed = f"; faint: raw, bold: mean of {window} steps" if window > 1 else ""
     ax.set(title=f"training loss of the global batch{smoothed}", xlabel="step", ylabel="loss")
     ax.legend()
@@ -734,7 +741,7 @@ def _plot_samples(report: dict, samples: dict, path: str) -> None:
     cmap, colors = _class_colormap()
     images, truth = samples["images"], samples["truth"]
     columns = [("input", None), ("truth", truth)] + [
-        (report["runs"][name]["title"].replace(" under DDP", "\nunder DDP").replace(", big", ",\nbig"),
+        (report["runs"][name]["title"].replace(" under DDP", "\nunder DDP").replace(", batch", ",\nbatch"),
          samples["predictions"][name])
         for name in RUNS
     ]
