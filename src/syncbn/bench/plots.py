@@ -26,7 +26,7 @@ def time_vs_world(report: dict, path: Path) -> bool:
     from .report import ORDER
 
     colors = {key: f"C{i}" for i, key in enumerate(ORDER)}
-    fig, (ax_ms, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_ms, ax_ratio) = plt.subplots(1, 2, figsize=(11, 5.6))
     bn_local = next((s for s in report["timing"]["summary"] if s["impl"] == "torch_bn" and s["world"] is None), None)
     for impl in dict.fromkeys(s["impl"] for s in summary):
         mine = sorted((s for s in summary if s["impl"] == impl), key=lambda s: s["world"])
@@ -44,11 +44,14 @@ def time_vs_world(report: dict, path: Path) -> bool:
         ax.set_yscale("log")
         ax.set_xlabel("replicas W (per-replica batch fixed: global batch grows with W)")
         ax.grid(True, which="both", alpha=0.3)
-    ax_ms.set_ylabel("forward + backward, ms (geometric mean over the grid)")
-    ax_ratio.set_ylabel("x torch.nn.BatchNorm2d, same per-replica batch (median)")
-    ax_ms.legend(fontsize=7)
-    fig.suptitle("Per-layer training step time vs replicas")
-    fig.tight_layout()
+    ax_ms.set_ylabel("ms, geometric mean over the grid")
+    ax_ratio.set_ylabel("x BatchNorm2d on the same per-replica batch, median")
+    ax_ms.set_title("forward + backward time", fontsize=10)
+    ax_ratio.set_title("ratio to torch.nn.BatchNorm2d", fontsize=10)
+    handles, labels = ax_ms.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.suptitle("Per-layer training step vs replicas")
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

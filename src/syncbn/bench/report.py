@@ -303,6 +303,9 @@ def build(plan: dict, raw: dict, meta: dict) -> dict:
         f"replicas gets W x {plan['threads']} threads in all: W torch processes, or one TensorFlow / JAX process "
         f"with W x {plan['threads']} intra-op threads pinned to min(W x {plan['threads']}, {meta['cores']}) cores.",
         "N is the per-replica batch: at W replicas every implementation normalizes a global batch of N x W.",
+        "Every peer process runs with the same glibc malloc settings (MALLOC_MMAP_THRESHOLD_=32 MiB, "
+        "MALLOC_TRIM_THRESHOLD_=1 TiB unless set in the environment): steady-state steps reuse heap memory instead "
+        "of faulting fresh pages, which otherwise depends on each process's allocation history.",
         "Keras and Flax: 'contiguous' is NCHW with axis=1, 'channels_last' is NHWC with axis=-1.",
         "Peak memory of a step: 'peak allocated' sums the profiler's allocation events (exact, allocator-free); "
         "'peak RSS rise' is what the operating system saw, at page granularity and after the allocator's reuse "

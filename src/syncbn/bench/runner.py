@@ -18,7 +18,7 @@ from .peers import cpu_count, load_average, run_peer
 __all__ = ["run_bench"]
 
 # seconds allowed per peer process: (quick, full)
-TIMEOUTS = {"torch": (150, 540), "keras": (120, 300), "flax": (90, 240)}
+TIMEOUTS = {"torch": (150, 900), "keras": (120, 420), "flax": (90, 300)}
 
 
 def _runs(plan: dict):

@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     # Memory in a fresh pair of processes whose allocator returns every large block to
     # the system when it is freed (a fixed mmap threshold), so that the resident set
     # follows the live tensors and one model's freed memory is not reused by the next.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    timing_allocator = {key: os.environ.get(key) for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
     pool = None
     try:
         pool = WorkerPool(2, backend="gloo", timeout=600, threads=threads)
@@ -294,7 +295,11 @@ def main(argv=None) -> int:
     finally:
         if pool is not None:
             pool.close()
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        for key, value in timing_allocator.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     save()
     return 0
 
