@@ -33,7 +33,8 @@ def __getattr__(name):
     if module is None:
         raise AttributeError(f"module 'syncbn' has no attribute {name!r}")
     mod = import_module(module)
-    value = mod if module == f"syncbn.{name}" else getattr(mod, name)
+    # a function named like its module (precise_bn) wins over the module itself
+    value = getattr(mod, name, mod)
     globals()[name] = value
     return value
 
