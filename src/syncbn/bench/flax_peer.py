@@ -8,7 +8,7 @@ before JAX is imported: W host devices, single-threaded Eigen kernels when T = 1
 the process pinned to ``min(W x T, cores)`` cores (JAX has no documented thread-count
 setting). A step is one ``pmap``-ed forward + backward (``jax.vjp``: input, scale and
 bias gradients for a given dy, with the batch statistics update), every replica
-holding the plan's per-replica batch, timed to ``block_until_ready``. Numerics: the
+holding the plan's per-replica batch, each step waited for (``block_until_ready``). Numerics: the
 variance Flax merges across the W devices, by default (``use_fast_variance=True``,
 one-pass) and with ``use_fast_variance=False``.
 """
@@ -71,16 +71,15 @@ def time_point(jax, devices, point, world, plan, seed):
         return dx, dparams, updates
 
     step = jax.pmap(replica_step, axis_name=AXIS, devices=devices)
-    last = []
 
     def run():
-        last[:] = [step(variables, x, dy)]
+        # each step waits for the previous one, as the torch and Keras steps do; queuing
+        # many asynchronous pmap steps also deadlocked XLA's CPU collectives here (a
+        # replica's all-reduce never joined when the process had 2 cores for 2 devices)
+        jax.block_until_ready(step(variables, x, dy))
 
-    def sync():
-        if last:
-            jax.block_until_ready(last[0])
-
-    return measure_interleaved({"flax": (run, sync)}, plan["repeats"], plan["warmup"], plan["min_block_s"])["flax"]
+    return measure_interleaved({"flax": (run, lambda: None)}, plan["repeats"], plan["warmup"],
+                               plan["min_block_s"])["flax"]
 
 
 def merged_variances(jax, devices, spec, world, fast: bool) -> dict:
