@@ -52,7 +52,7 @@ def time_vs_world(report: dict, path: Path) -> bool:
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle("Per-layer training step vs replicas")
     fig.tight_layout(rect=(0, 0.14, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -80,7 +80,7 @@ def bytes_vs_world(report: dict, path: Path) -> bool:
     ax.legend(fontsize=7)
     ax.set_title("Communication per BN layer call")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -91,19 +91,23 @@ def numerics_vs_offset(report: dict, path: Path) -> bool:
     if not rows:
         return False
     offsets = report["numerics"]["offsets"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for r in rows:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    worlds = sorted({r["world"] for r in rows})
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    for r in rows:  # one colour per implementation, one line style per W
         ys = [max(r["errors"].get(str(float(o)), float("nan")), 1e-12) for o in offsets]
-        ax.plot(offsets, ys, marker="o", label=f"{r['label']} (W={r['world']})")
+        ax.plot(offsets, ys, marker="o", color=f"C{impls.index(r['impl']) % 10}",
+                ls=styles[worlds.index(r["world"]) % len(styles)], label=f"{r['label']} (W={r['world']})")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("|mean| / std")
     ax.set_ylabel("relative error of the batch variance")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title("Merged variance vs float64")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
