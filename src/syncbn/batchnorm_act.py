@@ -200,6 +200,42 @@ def _channels_to_keep(x, weight, bias, mean, invstd, activation, param) -> Tenso
     return ~(amplification <= budget)
 
 
+def _centering_needed(mean: Tensor, var: Tensor, device) -> bool:
+    """Whether ``x * scale + shift`` (the native kernel's one pass) could lose accuracy
+    that ``(x - mean) * scale`` keeps: only where |mean| is well above the standard
+    deviation. A read of C flags on the CPU; elsewhere it would be a host
+    synchronisation, so accelerators always take the centered path."""
+    if device.type != "cpu":
+        return True
+    return bool((mean.abs() > 16 * var.sqrt()).any())
+
+
+def _normalize(x: Tensor, mean: Tensor, var: Tensor, scale: Tensor, beta: Tensor, cdtype, inplace: bool) -> Tensor:
+    """``(x - mean) * scale + beta`` per channel, written over ``x`` when ``inplace``."""
+    if x.device.type in stats.NATIVE_KERNEL_DEVICES and (
+        cdtype != x.dtype or not _centering_needed(mean, var, x.device)
+    ):
+        # the native inference kernel, in one pass in any memory layout (half: in
+        # float32, rounded once, its error far below half's)
+        ones = torch.ones_like(mean)
+        if not inplace:
+            return F.batch_norm(x, mean, ones, scale, beta, False, 0.0, 0.0)
+        empty = x.new_empty(0, dtype=cdtype)
+        torch.ops.aten.native_batch_norm.out(
+            x, scale, beta, mean, ones, False, 0.0, 0.0, out=x, save_mean=empty, save_invstd=empty.clone()
+        )
+        return x
+    shape = _channel_shape(x.dim(), x.shape[1])
+    scale = scale.view(shape)
+    y = x if inplace else torch.empty_like(x)
+    if cdtype == x.dtype:  # centered first: exact where |mean| >> std
+        torch.sub(x, mean.view(shape), out=y)
+        torch.addcmul(beta.view(shape), y, scale, out=y)
+    else:  # half: one pass in float32, rounded once (its error is far below half's)
+        torch.addcmul(beta.view(shape) - mean.view(shape) * scale, x, scale, out=y)
+    return y
+
+
 class _SyncBatchNormAct(torch.autograd.Function):
     """Forward and backward of the activated layer; one all-reduce each way when syncing."""
 
@@ -236,14 +272,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
             else:
                 keep_idx = None
 
-        shape = _channel_shape(x.dim(), channels)
-        scale = (gamma * invstd).view(shape)
-        y = x if inplace else torch.empty_like(x)
-        if cdtype == x.dtype:  # centered first: exact where |mean| >> std
-            torch.sub(x, mean.view(shape), out=y)
-            torch.addcmul(beta.view(shape), y, scale, out=y)
-        else:  # half: one pass in float32, rounded once (its error is far below half's)
-            torch.addcmul(beta.view(shape) - mean.view(shape) * scale, x, scale, out=y)
+        y = _normalize(x, mean, var, gamma * invstd, beta, cdtype, inplace)
         _activate_(y, activation, param)
         if inplace:
             ctx.mark_dirty(x)

@@ -221,7 +221,20 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
     a = invstd * weight
     b = -invstd * (sum_dy_xhat / count)
     c = -a * (sum_dy / count) - b * bias
-    if overwrite_z and z.dtype == cdtype:
+    if z.device.type in NATIVE_KERNEL_DEVICES:
+        # b * (z - bias) + (c + b * bias) is an affine map of z - bias: the native
+        # inference-mode batch-norm kernel, one pass in any memory layout
+        zc = z.to(cdtype)
+        shift = -a * (sum_dy / count)
+        ones = torch.ones_like(bias)
+        if overwrite_z and z.dtype == cdtype:
+            empty = z.new_empty(0)
+            dx = torch.ops.aten.native_batch_norm.out(
+                z, b, shift, bias, ones, False, 0.0, 0.0, out=z, save_mean=empty, save_invstd=empty.clone()
+            )[0]
+        else:
+            dx = F.batch_norm(zc, bias, ones, b, shift, False, 0.0, 0.0)
+    elif overwrite_z and z.dtype == cdtype:
         dx = torch.addcmul(c.view(shape), z, b.view(shape), out=z)
     else:
         dx = torch.addcmul(c.view(shape), z.to(cdtype), b.view(shape))
