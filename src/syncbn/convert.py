@@ -53,6 +53,31 @@ def _move_state(src: nn.Module, dst: nn.Module) -> nn.Module:
     return dst
 
 
+def _synchronized(cls, bn: nn.Module, process_group, **kwargs) -> nn.Module:
+    """A ``cls`` layer (SyncBatchNorm or SyncBatchNormAct) holding ``bn``'s state.
+
+    The group is ``process_group``, else the one ``bn`` already synchronizes over; the
+    layer remembers the plain torch class ``bn`` came from, for the revert.
+    """
+    group = process_group
+    if group is None and isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)):
+        group = bn.process_group
+    new = cls(
+        bn.num_features,
+        eps=bn.eps,
+        momentum=bn.momentum,
+        affine=bn.affine,
+        track_running_stats=bn.track_running_stats,
+        process_group=group,
+        device="meta",
+        bias=bn.bias is not None or not bn.affine,
+        **kwargs,
+    )
+    new = _move_state(bn, new)
+    new._syncbn_origin = getattr(bn, "_syncbn_origin", type(bn))
+    return new
+
+
 def _replace(module: nn.Module, swap) -> nn.Module:
     """Apply ``swap`` to ``module`` and to every descendant, top-down; returns the root."""
     new = swap(module)
@@ -84,22 +109,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         if not _is_plain(m):
             skipped.append(f"{type(m).__module__}.{type(m).__qualname__} (it overrides forward)")
             return m
-        group = process_group
-        if group is None and isinstance(m, nn.SyncBatchNorm):
-            group = m.process_group
-        new = SyncBatchNorm(
-            m.num_features,
-            m.eps,
-            m.momentum,
-            m.affine,
-            m.track_running_stats,
-            process_group=group,
-            device="meta",
-            bias=m.bias is not None or not m.affine,
-        )
-        new = _move_state(m, new)
-        new._syncbn_origin = type(m)
-        return new
+        return _synchronized(SyncBatchNorm, m, process_group)
 
     result = _replace(module, swap)
     if skipped:
@@ -194,23 +204,7 @@ def _fusable_batchnorm(m: nn.Module) -> bool:
 
 def _fuse(bn: nn.Module, act: nn.Module, spec, process_group):
     """The SyncBatchNormAct replacing ``bn`` followed by ``act``, and act's placeholder."""
-    group = process_group
-    if group is None and isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)):
-        group = bn.process_group
-    new = SyncBatchNormAct(
-        bn.num_features,
-        spec[0],
-        spec[1],
-        bn.eps,
-        bn.momentum,
-        bn.affine,
-        bn.track_running_stats,
-        process_group=group,
-        device="meta",
-        bias=bn.bias is not None or not bn.affine,
-    )
-    new = _move_state(bn, new)
-    new._syncbn_origin = getattr(bn, "_syncbn_origin", type(bn))
+    new = _synchronized(SyncBatchNormAct, bn, process_group, activation=spec[0], activation_param=spec[1])
     return new, _FusedActivation(act, new)
 
 
