@@ -39,6 +39,9 @@ or 8e-3 (bfloat16) of the true one. Choosing the channels reads a C-sized mask o
 host once per training forward (the only host synchronisation the layer adds, needed
 because the amount saved depends on it; ELU also takes each channel's local minimum
 and maximum, one more pass over the input); a layer that needs no gradient skips it.
+On the CPU one more read of C flags (no synchronisation there) picks how to normalize:
+the native kernel's single pass ``x * scale + shift``, or, where some channel has
+``|mean| > 16 std``, the centered ``(x - mean) * scale + b``, which accelerators always use.
 
 **In place.** The output is written over the input when nothing else can read the
 input afterwards; otherwise the layer works out of place, with the same numbers and the

@@ -200,8 +200,7 @@ def backward_sums_from_output(dz: torch.Tensor, z: torch.Tensor, weight, bias):
     for a layer without affine parameters). A channel whose weight is 0 gets 0 for the
     second sum: its ``xhat`` cannot be recovered from ``z`` and must come from elsewhere.
     """
-    safe = weight != 0
-    reciprocal = torch.where(safe, 1.0 / torch.where(safe, weight, torch.ones_like(weight)), 0.0)
+    reciprocal = torch.where(weight != 0, weight.reciprocal(), 0.0)  # inf where 0, replaced
     return backward_sums(dz, z, bias, reciprocal)
 
 
@@ -210,9 +209,10 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
     :func:`input_grad` with ``xhat`` replaced by ``(z - b) / w``, so ``xhat`` is never
     formed and nothing is divided by ``w`` (finite for any weight, 0 included).
 
-    Two passes, ``dx = a * dz + (b * z + c)``: ``z - bias`` is not formed, which costs
-    about ``u * |bias|`` on ``z - bias``, the rounding ``z`` itself already carries when
-    it was stored. The result is in the compute dtype. ``overwrite_z=True`` builds it in
+    Two passes, ``dx = a * dz + (b * z + c)``. On CPU and CUDA the bracket is the native
+    inference-mode batch-norm kernel with ``bias`` as its mean (one pass, any layout);
+    elsewhere ``z - bias`` is not formed, which costs about ``u * |bias|`` on it, the
+    rounding ``z`` itself already carries when it was stored. The result is in the compute dtype. ``overwrite_z=True`` builds it in
     ``z``'s memory (``z`` must then be a compute-dtype tensor that nothing else reads).
     """
     shape = _channel_shape(z.dim(), z.shape[1])
