@@ -22,7 +22,49 @@ def _copy(buffer):
     return None if buffer is None else buffer.clone()
 
 
-class SyncBatchNorm(_BatchNorm):
+class _SyncNormBase(_BatchNorm):
+    """What the synchronized layers share: torch.nn.SyncBatchNorm's constructor
+    arguments and state, the input checks, and the running-buffer momentum."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        extra = {"bias": bias} if _BIAS_KEYWORD else {}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
+        if affine and not bias and not _BIAS_KEYWORD:  # torch before the keyword: drop it here
+            self.register_parameter("bias", None)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        check_input(input, self.num_features, type(self).__name__)
+
+    def _momentum(self, as_tensor: bool, count: bool = True):
+        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``
+        (unless ``count`` is False: a checkpoint recomputation)."""
+        if not (self.training and self.track_running_stats and count):
+            return 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        if self.momentum is not None:
+            return self.momentum
+        if self.num_batches_tracked is None:
+            return 0.0
+        if as_tensor:  # the cumulative average without a host read
+            return 1.0 / self.num_batches_tracked.to(torch.float64)
+        return 1.0 / float(self.num_batches_tracked)
+
+
+class SyncBatchNorm(_SyncNormBase):
     r"""Batch normalization over the union of all ranks' batches, for inputs of any rank.
 
     .. math::
@@ -55,43 +97,6 @@ class SyncBatchNorm(_BatchNorm):
     same shape and memory format. The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group=None,
-        device=None,
-        dtype=None,
-        *,
-        bias: bool = True,
-    ) -> None:
-        extra = {"bias": bias} if _BIAS_KEYWORD else {}
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
-        if affine and not bias and not _BIAS_KEYWORD:  # torch before the keyword: drop it here
-            self.register_parameter("bias", None)
-        self.process_group = process_group
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        check_input(input, self.num_features, type(self).__name__)
-
-    def _momentum(self, syncing: bool, count: bool = True):
-        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``
-        (unless ``count`` is False: a checkpoint recomputation)."""
-        if not (self.training and self.track_running_stats and count):
-            return 0.0 if self.momentum is None else self.momentum
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        if self.momentum is not None:
-            return self.momentum
-        if self.num_batches_tracked is None:
-            return 0.0
-        if syncing:  # a tensor: the cumulative average without a host read
-            return 1.0 / self.num_batches_tracked.to(torch.float64)
-        return 1.0 / float(self.num_batches_tracked)
-
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
@@ -99,7 +104,7 @@ class SyncBatchNorm(_BatchNorm):
         syncing = bn_training and self.training and distributed.group_size(self.process_group) > 1
         # a checkpoint's recomputed forward: same normalization, no second count
         again = self.training and recomputing()
-        momentum = self._momentum(syncing, count=not again)
+        momentum = self._momentum(as_tensor=syncing, count=not again)
         track = not bn_training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None

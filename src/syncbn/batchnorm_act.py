@@ -79,7 +79,6 @@ its input, which helps only where the next layer keeps that output too.
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 import weakref
@@ -89,10 +88,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed, stats
-from .functional import check_input, recomputing
+from .batchnorm import _SyncNormBase
+from .functional import _memory_format, check_input, recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS"]
 
@@ -108,7 +107,6 @@ AMPLIFICATION_BUDGET = {
     torch.bfloat16: 2.0**2,
 }
 
-_BIAS_KEYWORD = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
 def _check_activation(activation, param):
@@ -136,14 +134,6 @@ def _check_activation(activation, param):
 
 def _channel_shape(ndim: int, channels: int) -> list:
     return [1, channels] + [1] * (ndim - 2)
-
-
-def _memory_format(x: Tensor):
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 def _activate_(y: Tensor, activation: str, param: float) -> Tensor:
@@ -479,7 +469,7 @@ def _compiling() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
-class SyncBatchNormAct(_BatchNorm):
+class SyncBatchNormAct(_SyncNormBase):
     r"""Synchronized batch normalization followed by an invertible activation, keeping
     only the output for the backward pass.
 
@@ -521,31 +511,11 @@ class SyncBatchNormAct(_BatchNorm):
         bias: bool = True,
     ) -> None:
         activation, activation_param = _check_activation(activation, activation_param)
-        extra = {"bias": bias} if _BIAS_KEYWORD else {}
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
-        if affine and not bias and not _BIAS_KEYWORD:
-            self.register_parameter("bias", None)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, bias=bias
+        )
         self.activation = activation
         self.activation_param = activation_param
-        self.process_group = process_group
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        check_input(input, self.num_features, type(self).__name__)
-
-    def _momentum(self, as_tensor: bool, count: bool = True):
-        """Weight of this batch in the running buffers; bumps ``num_batches_tracked``
-        (unless ``count`` is False: a checkpoint recomputation)."""
-        if not (self.training and self.track_running_stats and count):
-            return 0.0 if self.momentum is None else self.momentum
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        if self.momentum is not None:
-            return self.momentum
-        if self.num_batches_tracked is None:
-            return 0.0
-        if as_tensor:  # the cumulative average without a host read
-            return 1.0 / self.num_batches_tracked.to(torch.float64)
-        return 1.0 / float(self.num_batches_tracked)
 
     def forward(self, input: Tensor) -> Tensor:
         refs = None if _compiling() else sys.getrefcount(input)  # first: nothing else may hold it yet
