@@ -111,6 +111,25 @@ def build_module(case: Case, data, group):
     return module
 
 
+def backward_and_record(result, module, x, y, dy, fmt, input_grad) -> None:
+    """Run one step's backward with a contiguous ``dy`` (whatever x's format) and append
+    the output, the gradients (weight and bias grads then cleared) and the format and
+    dtype checks to ``result``."""
+    if fmt is not torch.contiguous_format and x.numel():
+        result["formats_kept"] &= y.is_contiguous(memory_format=fmt)
+    y.backward(dy)
+    step = {"y": y.detach().double(), "dx": None if x.grad is None else x.grad.detach().double()}
+    if input_grad and x.numel() and fmt is not torch.contiguous_format:
+        result["formats_kept"] &= x.grad.is_contiguous(memory_format=fmt)
+    for name in ("weight", "bias"):
+        p = getattr(module, name)
+        step["d" + name] = None if p is None else p.grad.detach().double().clone()
+        if p is not None:
+            p.grad = None
+    step["dtype_ok"] = y.dtype == x.dtype
+    result["steps"].append(step)
+
+
 def run_case(case: Case):
     """Worker job: run the case on this rank; returns its outputs, gradients and buffers."""
     group = group_of(case.world)
@@ -125,19 +144,7 @@ def run_case(case: Case):
     for xs, dys in data["steps"]:
         x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(case.input_grad)
         y = module(x)
-        if fmt is not torch.contiguous_format and x.numel():
-            result["formats_kept"] &= y.is_contiguous(memory_format=fmt)
-        y.backward(dys[rank].to(dtype))  # contiguous dy, whatever x's format
-        step = {"y": y.detach().double(), "dx": None if x.grad is None else x.grad.detach().double()}
-        if case.input_grad and x.numel() and fmt is not torch.contiguous_format:
-            result["formats_kept"] &= x.grad.is_contiguous(memory_format=fmt)
-        for name in ("weight", "bias"):
-            p = getattr(module, name)
-            step["d" + name] = None if p is None else p.grad.detach().double().clone()
-            if p is not None:
-                p.grad = None
-        step["dtype_ok"] = y.dtype == dtype
-        result["steps"].append(step)
+        backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, case.input_grad)
     result["buffers"] = {
         name: None if buf is None else buf.detach().double().clone() for name, buf in module.named_buffers()
     }

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
-from bn_oracle import BUFFER_TOL, DTYPES, TOL, Case, make_data, max_rel_err
+from bn_oracle import BUFFER_TOL, DTYPES, TOL, Case, backward_and_record, make_data, max_rel_err
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
 from workers import group_of, in_group
@@ -112,19 +112,7 @@ def run_act_case(case: ActCase):
             y = module(x)
             result["in_place"].append(False)
             assert x.numel() == 0 or torch.equal(x.detach().double(), xs[rank]), "input was overwritten"
-        if fmt is not torch.contiguous_format and x.numel():
-            result["formats_kept"] &= y.is_contiguous(memory_format=fmt)
-        y.backward(dys[rank].to(dtype))
-        step = {"y": y.detach().double(), "dx": None if x.grad is None else x.grad.detach().double()}
-        if base.input_grad and x.numel() and fmt is not torch.contiguous_format:
-            result["formats_kept"] &= x.grad.is_contiguous(memory_format=fmt)
-        for name in ("weight", "bias"):
-            p = getattr(module, name)
-            step["d" + name] = None if p is None else p.grad.detach().double().clone()
-            if p is not None:
-                p.grad = None
-        step["dtype_ok"] = y.dtype == dtype
-        result["steps"].append(step)
+        backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, base.input_grad)
     result["buffers"] = {n: None if b is None else b.detach().double().clone() for n, b in module.named_buffers()}
     module.eval()
     result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
