@@ -154,9 +154,10 @@ def run_case(case: Case):
     return result
 
 
-def oracle(case: Case):
-    """What one device computes on the concatenated batch, in float64."""
-    data = make_data(case)
+def oracle(case: Case, data=None, after=lambda y: y):
+    """What one device computes on the concatenated batch, in float64: batch norm, then
+    ``after`` (an activation, for the fused layer), on ``data`` (default ``make_data``)."""
+    data = make_data(case) if data is None else data
     c = case.channels
     track = case.track
     running_mean = torch.zeros(c, dtype=torch.float64) if track else None
@@ -169,7 +170,7 @@ def oracle(case: Case):
         w = None if weight is None else weight.clone().requires_grad_()
         b = None if bias is None else bias.clone().requires_grad_()
         momentum = case.momentum if case.momentum is not None else 1.0 / (i + 1)
-        y = F.batch_norm(x, running_mean, running_var, w, b, True, momentum, case.eps)
+        y = after(F.batch_norm(x, running_mean, running_var, w, b, True, momentum, case.eps))
         y.backward(torch.cat(dys))
         steps.append(
             {
@@ -183,6 +184,7 @@ def oracle(case: Case):
         evals = [F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, case.eps) for x in data["eval"]]
     else:  # eval without running statistics: each rank's own batch, no communication
         evals = [F.batch_norm(x, None, None, weight, bias, True, 0.0, case.eps) for x in data["eval"]]
+    evals = [after(y) for y in evals]
     buffers = {}
     if track:
         buffers = {

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
-from bn_oracle import BUFFER_TOL, DTYPES, TOL, Case, backward_and_record, make_data, max_rel_err
+from bn_oracle import BUFFER_TOL, DTYPES, TOL, Case, backward_and_record, make_data, max_rel_err, oracle
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
 from workers import group_of, in_group
@@ -129,33 +129,7 @@ def _act64(z, case: ActCase):
 
 def act_oracle(case: ActCase):
     """Batch norm then the activation, float64, on the concatenated batch."""
-    base = case.base
-    data = act_data(case)
-    c = base.channels
-    running_mean = torch.zeros(c, dtype=torch.float64) if base.track else None
-    running_var = torch.ones(c, dtype=torch.float64) if base.track else None
-    weight = data["weight"] if base.affine else None
-    bias = data["bias"] if base.affine and base.bias else None
-    steps = []
-    for i, (xs, dys) in enumerate(data["steps"]):
-        x = torch.cat(xs).requires_grad_()
-        w = None if weight is None else weight.clone().requires_grad_()
-        b = None if bias is None else bias.clone().requires_grad_()
-        momentum = base.momentum if base.momentum is not None else 1.0 / (i + 1)
-        y = _act64(F.batch_norm(x, running_mean, running_var, w, b, True, momentum, base.eps), case)
-        y.backward(torch.cat(dys))
-        steps.append({"y": y.detach(), "dx": x.grad, "dweight": None if w is None else w.grad,
-                      "dbias": None if b is None else b.grad})
-    if base.track:
-        evals = [_act64(F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, base.eps), case)
-                 for x in data["eval"]]
-    else:
-        evals = [_act64(F.batch_norm(x, None, None, weight, bias, True, 0.0, base.eps), case) for x in data["eval"]]
-    buffers = {}
-    if base.track:
-        buffers = {"running_mean": running_mean, "running_var": running_var,
-                   "num_batches_tracked": torch.tensor(float(base.steps), dtype=torch.float64)}
-    return {"steps": steps, "eval": evals, "buffers": buffers}
+    return oracle(case.base, data=act_data(case), after=lambda y: _act64(y, case))
 
 
 def check_act_case(case: ActCase, results) -> dict:
