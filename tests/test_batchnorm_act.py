@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
-from bn_oracle import BUFFER_TOL, DTYPES, TOL, Case, backward_and_record, make_data, max_rel_err, oracle
+from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, make_data, max_rel_err, oracle
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
 from workers import group_of, in_group
@@ -133,38 +133,11 @@ def act_oracle(case: ActCase):
 
 
 def check_act_case(case: ActCase, results) -> dict:
-    base = case.base
-    ref = act_oracle(case)
-    ranks = results[: base.world]
-    tol = TOL[base.dtype]
-    btol = max(BUFFER_TOL[base.dtype], TOL[base.param_dtype or base.dtype] / 4)
-    worst = {"y": 0.0, "dx": 0.0, "dparam": 0.0, "buffers": 0.0, "eval": 0.0}
-    for r in ranks:
-        assert r["formats_kept"], "memory format not preserved"
+    """In place on the steps that allow it (even ones), out of place on the others, and
+    everything else as the batch-norm oracle check with the activation's oracle."""
+    for r in results[: case.base.world]:
         assert all(r["in_place"][0::2]) and not any(r["in_place"][1::2]), r["in_place"]
-    for i, expect in enumerate(ref["steps"]):
-        got = [r["steps"][i] for r in ranks]
-        assert all(g["dtype_ok"] for g in got)
-        worst["y"] = max(worst["y"], max_rel_err(torch.cat([g["y"] for g in got]), expect["y"]))
-        if base.input_grad:
-            worst["dx"] = max(worst["dx"], max_rel_err(torch.cat([g["dx"] for g in got]), expect["dx"]))
-        else:
-            assert all(g["dx"] is None for g in got)
-        for name in ("dweight", "dbias"):
-            if expect[name] is None:
-                assert all(g[name] is None for g in got), name
-                continue
-            worst["dparam"] = max(worst["dparam"], max_rel_err(sum(g[name] for g in got), expect[name]))
-    for name, value in ref["buffers"].items():
-        for r in ranks:
-            worst["buffers"] = max(worst["buffers"], max_rel_err(r["buffers"][name], value))
-            assert torch.equal(r["buffers"][name], ranks[0]["buffers"][name]), f"{name} differs across ranks"
-    for r, expect in zip(ranks, ref["eval"]):
-        worst["eval"] = max(worst["eval"], max_rel_err(r["eval"], expect))
-    for key, err in worst.items():
-        limit = btol if key == "buffers" else tol
-        assert err <= limit, f"{key}: relative error {err:.3g} > {limit:.3g} for {case}"
-    return worst
+    return check_case(case.base, results, ref=act_oracle(case), label=case)
 
 
 def _grid():
