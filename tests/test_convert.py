@@ -8,23 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride=1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + (x if self.down is None else self.down(x)))
+from verify_models import BasicBlock  # the same torchvision-style block the verify tests use
 
 
 def tiny_resnet():
