@@ -63,26 +63,26 @@ def count_layer_collectives(channels: int, group=None) -> dict:
             "backward": describe(backward), "eval": describe(evaluation)}
 
 
-def syncbn_model(world: int, channels: int) -> dict:
-    fwd = (2 * channels + 1) * 8
-    bwd = 2 * channels * 4
+def _one_collective_each_way(world: int, forward_op: str, fwd: int, bwd: int) -> dict:
+    """Per-rank figures of an algorithm with one collective forward and one all-reduce
+    backward, of ``fwd`` and ``bwd`` payload bytes."""
     return {
         "forward_collectives": 1, "backward_collectives": 1,
         "forward_payload_bytes": fwd, "backward_payload_bytes": bwd,
-        "forward_wire_bytes": wire_bytes("all_reduce", fwd, world),
+        "forward_wire_bytes": wire_bytes(forward_op, fwd, world),
         "backward_wire_bytes": wire_bytes("all_reduce", bwd, world),
     }
+
+
+def syncbn_model(world: int, channels: int) -> dict:
+    """syncbn: all-reduce of 2C+1 float64 forward, of 2C float32 backward."""
+    return _one_collective_each_way(world, "all_reduce", (2 * channels + 1) * 8, 2 * channels * 4)
 
 
 def torch_syncbn_model(world: int, channels: int) -> dict:
-    fwd = (2 * channels + 1) * 4
-    bwd = 2 * channels * 4
-    return {
-        "forward_collectives": 1, "backward_collectives": 1,
-        "forward_payload_bytes": fwd, "backward_payload_bytes": bwd,
-        "forward_wire_bytes": wire_bytes("all_gather", fwd, world),
-        "backward_wire_bytes": wire_bytes("all_reduce", bwd, world),
-    }
+    """torch.nn.SyncBatchNorm: all-gather of 2C+1 float32 per rank forward, all-reduce of
+    2C float32 backward."""
+    return _one_collective_each_way(world, "all_gather", (2 * channels + 1) * 4, 2 * channels * 4)
 
 
 def table(worlds: List[int], channels: int, counted: List[dict]) -> List[dict]:
