@@ -94,3 +94,27 @@ def test_portable_path_matches_native_kernels(monkeypatch, dtype):
     torch.testing.assert_close(portable[0], native[0], rtol=tol, atol=0)
     for a, b in zip(portable[1], native[1]):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
+
+
+LAYOUTS = {
+    "planar NCHW": lambda x: x,  # the centered moments on the CPU
+    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),  # centered too
+    "small planes": lambda x: x[:, :, :3, :3].contiguous(),  # native kernel (9 < 16 per plane)
+    "(N, C)": lambda x: x[:, :, 0, 0].contiguous(),  # native kernel
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("ratio", [1.0, 1e4])
+def test_local_moments_exact_in_every_layout(layout, ratio):
+    """Each path gives float32 data's mean to ~1e-10 std and its M2 to a few float32
+    roundings, against float64 two-pass statistics of the same values, at any offset."""
+    gen = torch.Generator().manual_seed(3)
+    x = LAYOUTS[layout]((torch.randn(3, 8, 20, 20, generator=gen, dtype=torch.float64) * 0.7 + 0.7 * ratio).float())
+    assert stats._use_centered(x) == (layout in ("planar NCHW", "channels_last"))
+    mean, m2 = stats.local_moments(x, torch.float64)
+    xd = x.double()
+    ref_var, ref_mean = torch.var_mean(xd, dim=stats.reduce_dims(x.dim()), correction=0)
+    n = x.numel() // x.shape[1]
+    assert ((mean - ref_mean).abs() / ref_var.sqrt()).max() < 1e-6
+    assert ((m2 / n - ref_var).abs() / ref_var).max() < 1e-6

@@ -129,12 +129,7 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
         raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
 
 
-def _memory_format(x: Tensor):
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
+_memory_format = stats.memory_format
 
 
 class _SyncBatchNorm(torch.autograd.Function):

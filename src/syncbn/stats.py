@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "reduce_dims",
+    "memory_format",
     "local_moments",
     "compute_dtype",
     "accumulate_dtype",
@@ -75,6 +76,49 @@ def _mean_rounding_matters(mean, var, device) -> bool:
     return bool((mean.abs() > 16 * var.sqrt()).any())
 
 
+def _use_centered(x: torch.Tensor) -> bool:
+    """Whether this rank's moments come from :func:`_centered_moments` rather than the
+    native statistics kernel: on the CPU, for 3D-5D inputs in the standard layout with
+    planes of at least 16 elements per (sample, channel), and for channels-last inputs.
+
+    torch's CPU kernel walks a standard-layout channel with one scalar accumulator
+    (about 1 element per ns here, a tenth of what a vectorized reduction reads), so the
+    centered moments are 2-4x faster there. In channels-last it is vectorized but
+    accumulates ``(x - mean)^2`` in float32 one row after another: measured on float32
+    (8, 64, 56, 56), a relative error of the variance of 8e-6 at |mean| / std = 1 and
+    8e-3 at 1e4, where the centered moments stay at 2e-7 (for 2x the native time).
+    Tiny planes and (N, C) inputs keep the native kernel."""
+    if x.device.type != "cpu" or x.dim() < 3:
+        return False
+    if x.is_contiguous():
+        return x.numel() // max(1, x.shape[0] * x.shape[1]) >= 16
+    return x.dim() in (4, 5) and memory_format(x) is not torch.contiguous_format
+
+
+def memory_format(x: torch.Tensor):
+    """The memory format ``x`` is laid out in (channels-last only when not also standard)."""
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _centered_moments(xs: torch.Tensor, dtype: torch.dtype):
+    """``(mean, M2)`` from vectorized reductions around a provisional mean ``s``:
+    ``t = x - s``, ``S1 = sum t``, ``mean = s + S1 / n``, ``M2 = sum t^2 - S1^2 / n``
+    (exact identities; ``t`` is exact where x and s are close, so nothing cancels when
+    |mean| >> std, and ``S1`` carries the rounding of ``s`` back into the mean)."""
+    dims = reduce_dims(xs.dim())
+    n = xs.numel() // xs.shape[1]
+    provisional = xs.sum(dims).div_(n)
+    centered = xs - provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
+    first = centered.sum(dims).to(dtype)
+    second = centered.square_().sum(dims).to(dtype)
+    mean = provisional.to(dtype) + first / n
+    return mean, (second - first * first / n).clamp_min_(0)
+
+
 def local_moments(x: torch.Tensor, dtype: torch.dtype):
     """This rank's per-channel ``(mean, M2)`` in ``dtype``, for a non-empty ``x``.
 
@@ -83,9 +127,13 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     (about 6e-8 |mean| in float32); when |mean| >> std that rounding is as large as the
     differences between the ranks' means that the merge must resolve, so for inputs
     below float64 the rounding is measured and added back: ``x - mean`` is exact
-    where it matters (both close together), and its small sum is accurate.
+    where it matters (both close together), and its small sum is accurate. CPU inputs
+    in the standard layout take :func:`_centered_moments` instead (faster there, and
+    exact in channels-last, always corrected for the rounding of the mean).
     """
     xs = x.float() if x.dtype in _HALF else x
+    if _use_centered(xs):
+        return _centered_moments(xs, dtype)
     if x.device.type in NATIVE_KERNEL_DEVICES:
         mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
     else:  # portable composite ops (Welford) for every other backend
