@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
+from syncbn import batchnorm_act
 from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, make_data, max_rel_err, oracle
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
@@ -564,11 +565,13 @@ def test_saves_at_most_055_of_batchnorm_and_activation(activation, param, shape)
     assert mine <= 0.55 * theirs, (mine, theirs)
 
 
-def test_kept_channels_cost_only_their_inputs():
+def test_kept_channels_cost_only_their_inputs(monkeypatch):
     shape = (4, 8, 6, 6)
     x = torch.randn(shape) + 1
     layer = syncbn.SyncBatchNormAct(8)
-    base = saved_bytes(lambda: layer(x.clone().requires_grad_() * 1))
+    with monkeypatch.context() as m:  # the general path, which the zero weights below take
+        m.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+        base = saved_bytes(lambda: layer(x.clone().requires_grad_() * 1))
     with torch.no_grad():
         layer.weight[:3] = 0  # three channels cannot be read back from the output
     kept = saved_bytes(lambda: layer(x.clone().requires_grad_() * 1))
@@ -807,3 +810,61 @@ def _figures():
 
 if __name__ == "__main__":
     _figures()
+
+
+def _run_layer(layer, x, dy, inplace):
+    src = x.clone().requires_grad_()
+    y = layer(src * 1) if inplace else layer(src)  # a temporary is overwritten, a leaf never
+    params = [p for p in layer.parameters()]
+    grads = torch.autograd.grad(y, [src, *params], dy)
+    return y.detach().clone(), grads, [b.clone() for b in layer.buffers()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.05), ("identity", 0.01)])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "(N, C)"])
+@pytest.mark.parametrize("affine,momentum,inplace", [(True, 0.1, True), (False, None, False), (True, None, False)])
+def test_local_kernels_match_the_general_path(monkeypatch, dtype, activation, param, layout, affine, momentum, inplace):
+    """Without communication the layer runs torch's kernels (one native backward call
+    on the recovered z); the general path of the synchronized layer is its reference."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (6, 5) if layout == "(N, C)" else (3, 5, 6, 7)
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 3).to(dtype)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if layout == "channels_last":
+        x, dy = x.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    fast = syncbn.SyncBatchNormAct(5, activation, param, momentum=momentum, affine=affine, dtype=dtype)
+    if affine:
+        with torch.no_grad():
+            fast.weight.copy_(torch.tensor([1.5, -0.7, 0.2, 2.0, -3.0]))
+            fast.bias.copy_(torch.tensor([0.1, -0.4, 0.05, 1.0, 0.0]))
+    slow = copy.deepcopy(fast)
+    assert batchnorm_act._local_kernels_fit(x, fast.weight, fast.bias, activation, param)
+    calls = []
+    real = batchnorm_act._LocalBatchNormAct.apply
+    monkeypatch.setattr(batchnorm_act._LocalBatchNormAct, "apply", lambda *a: calls.append(a[-1]) or real(*a))
+    for step in range(2):
+        got = _run_layer(fast, x, dy, inplace)
+        with monkeypatch.context() as m:
+            m.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+            ref = _run_layer(slow, x, dy, inplace)
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(got[0], ref[0], rtol=tol, atol=tol)
+        for a, b in zip(got[1], ref[1]):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
+        for a, b in zip(got[2], ref[2]):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert calls == [inplace, inplace]  # the fast path ran, in place when it could
+
+
+@pytest.mark.parametrize("weight,fits", [(1.0, True), (-2.0, True), (0.0, False), (1e-30, False), (1e-3, True)])
+def test_local_kernels_only_where_the_output_can_be_inverted(weight, fits):
+    layer = syncbn.SyncBatchNormAct(3)
+    with torch.no_grad():
+        layer.weight.fill_(weight)
+        layer.bias.fill_(0.1)
+    x = torch.randn(4, 3, 5)
+    fit = batchnorm_act._local_kernels_fit(x, layer.weight, layer.bias, "leaky_relu", 0.01)
+    assert fit == (fits and abs(weight) * 2.0**8 >= 0.1)
+    assert not batchnorm_act._local_kernels_fit(x, layer.weight, layer.bias, "elu", 1.0)
+    assert not batchnorm_act._local_kernels_fit(x.bfloat16(), layer.weight, layer.bias, "leaky_relu", 0.01)

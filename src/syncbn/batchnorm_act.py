@@ -334,6 +334,81 @@ class _SyncBatchNormAct(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
+def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -> bool:
+    """Whether a training call without communication can take :class:`_LocalBatchNormAct`:
+    torch's own kernels on a CPU or CUDA float32/float64 input, leaky_relu or identity,
+    and no channel that would have to keep its input (every ``|w|`` clear of zero and
+    within the amplification budget of ``|b|``, as in :func:`_channels_to_keep`; also
+    ``|w| >= tiny ** 0.25`` so that ``w * w * invstd`` below cannot underflow). One read
+    of a flag on the host, as the general path's channel choice."""
+    if activation == "elu" or x.dtype not in (torch.float32, torch.float64) or _compiling():
+        return False
+    if x.device.type not in stats.NATIVE_KERNEL_DEVICES:
+        return False
+    if weight is None:
+        return bias is None
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False
+    info = torch.finfo(x.dtype)
+    budget = AMPLIFICATION_BUDGET[x.dtype]
+    floor = info.tiny / min(param, 1.0) if activation == "leaky_relu" else info.tiny
+    with torch.no_grad():
+        need = torch.full_like(weight, floor) if bias is None else bias.abs().add_(floor)
+        need.clamp_min_(budget * info.tiny**0.25)
+        return bool((need <= weight.abs().mul_(budget)).all())
+
+
+class _LocalBatchNormAct(torch.autograd.Function):
+    """The layer without communication (no process group, or a group of one), on
+    torch's own kernels: the training batch-norm kernel (statistics, running buffers and
+    normalization in one call), the activation in place; backward recovers ``z`` from the
+    output and makes one call of the native backward kernel with ``z`` as its input,
+    ``b`` as its mean and ``1 / w`` as its inverse standard deviation (so that its
+    ``xhat`` is ``(z - b) / w``) and ``w * w * invstd`` as its weight (so that its
+    ``dx`` carries ``w * invstd``): the input, weight and bias gradients in one pass.
+    Only for inputs that :func:`_local_kernels_fit` admits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, activation, param, inplace):
+        if x.numel() // x.shape[1] <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}"
+            )
+        if inplace:
+            mean, invstd = x.new_empty(0), x.new_empty(0)
+            torch.ops.aten.native_batch_norm.out(
+                x, weight, bias, running_mean, running_var, True, momentum, eps,
+                out=x, save_mean=mean, save_invstd=invstd,
+            )
+            y = x
+            ctx.mark_dirty(x)
+        else:
+            y, _, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
+        _activate_(y, activation, param)
+        ctx.save_for_backward(y, weight, bias, invstd)
+        ctx.activation = activation
+        ctx.param = param
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        y, weight, bias, invstd = ctx.saved_tensors
+        dy = dy.contiguous(memory_format=_memory_format(y))
+        if ctx.activation == "leaky_relu":
+            z = F.leaky_relu(y, 1.0 / ctx.param)
+            dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
+        else:
+            z, dz = y, dy
+        w = torch.ones_like(invstd) if weight is None else weight.detach()
+        b = torch.zeros_like(invstd) if bias is None else bias.detach()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx, dw, db = torch.ops.aten.native_batch_norm_backward(
+            dz, z, w * w * invstd, None, None, b, w.reciprocal(), True, 0.0, [need_x, need_w, need_b]
+        )
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
 # ---- may the input be overwritten? ---------------------------------------------------
 
 
@@ -542,6 +617,13 @@ class SyncBatchNormAct(_SyncNormBase):
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         inplace = _can_overwrite(self, input, refs)
+        if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param):
+            if isinstance(momentum, Tensor):
+                momentum = float(momentum)
+            return _LocalBatchNormAct.apply(
+                input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
+                self.activation, self.activation_param, inplace,
+            )
         return _SyncBatchNormAct.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
             self.process_group, syncing, self.activation, self.activation_param, inplace,
