@@ -67,8 +67,11 @@ alpha, which must be positive). ReLU is not invertible, so a ReLU block must sta
 
 Outside training (eval with running statistics, or with local batch statistics when the
 layer tracks none) the layer is plain ``F.batch_norm`` and the activation, and never
-communicates; training on one process, or in a group of one, runs the same code as
-across ranks, without the collectives.
+communicates. Training on one process, or in a group of one, runs torch's own
+training kernel forward and one call of its backward kernel on the recovered ``z``
+(:class:`_LocalBatchNormAct`) wherever no channel has to keep its input, with
+leaky_relu or identity in float32 or float64; otherwise the code used across ranks,
+without the collectives.
 
 Saved for backward per layer: the output (one activation-sized tensor), a few C-sized
 vectors, and the inputs of the channels chosen above (none in the common case).
