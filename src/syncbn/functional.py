@@ -153,9 +153,9 @@ class _SyncBatchNorm(torch.autograd.Function):
         invstd = torch.rsqrt(var_c + eps)
         # the statistics stay in float32 for half inputs: the (C-sized) affine
         # parameters are brought to their dtype rather than the statistics to half
-        w = None if weight is None else weight.to(cdtype)
-        b = None if bias is None else bias.to(cdtype)
-        y = F.batch_norm(x, mean_c, var_c, w, b, False, 0.0, eps)
+        scale = invstd if weight is None else invstd * weight.to(cdtype)
+        shift = torch.zeros_like(mean_c) if bias is None else bias.to(cdtype)
+        y = stats.affine(x, mean_c, scale, shift)
 
         ctx.save_for_backward(x, weight, mean_c, invstd, count)
         ctx.group = group
