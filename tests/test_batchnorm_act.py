@@ -857,8 +857,11 @@ def test_local_kernels_match_the_general_path(monkeypatch, dtype, activation, pa
     assert calls == [inplace, inplace]  # the fast path ran, in place when it could
 
 
+@pytest.mark.parametrize("host", ["numpy", "torch"])
 @pytest.mark.parametrize("weight,fits", [(1.0, True), (-2.0, True), (0.0, False), (1e-30, False), (1e-3, True)])
-def test_local_kernels_only_where_the_output_can_be_inverted(weight, fits):
+def test_local_kernels_only_where_the_output_can_be_inverted(monkeypatch, host, weight, fits):
+    if host == "torch":
+        monkeypatch.setattr(batchnorm_act, "_numpy", None)
     layer = syncbn.SyncBatchNormAct(3)
     with torch.no_grad():
         layer.weight.fill_(weight)
@@ -868,3 +871,5 @@ def test_local_kernels_only_where_the_output_can_be_inverted(weight, fits):
     assert fit == (fits and abs(weight) * 2.0**8 >= 0.1)
     assert not batchnorm_act._local_kernels_fit(x, layer.weight, layer.bias, "elu", 1.0)
     assert not batchnorm_act._local_kernels_fit(x.bfloat16(), layer.weight, layer.bias, "leaky_relu", 0.01)
+    # a slope so small that the output's floor (tiny / slope) reaches the budget
+    assert not batchnorm_act._local_kernels_fit(x, layer.weight, layer.bias, "leaky_relu", 1e-42)

@@ -111,7 +111,7 @@ def test_local_moments_exact_in_every_layout(layout, ratio):
     roundings, against float64 two-pass statistics of the same values, at any offset."""
     gen = torch.Generator().manual_seed(3)
     x = LAYOUTS[layout]((torch.randn(3, 8, 20, 20, generator=gen, dtype=torch.float64) * 0.7 + 0.7 * ratio).float())
-    assert stats._use_centered(x) == (layout in ("planar NCHW", "channels_last"))
+    assert stats.use_centered(x) == (layout in ("planar NCHW", "channels_last"))
     mean, m2 = stats.local_moments(x, torch.float64)
     xd = x.double()
     ref_var, ref_mean = torch.var_mean(xd, dim=stats.reduce_dims(x.dim()), correction=0)

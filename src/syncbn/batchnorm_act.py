@@ -93,6 +93,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import distributed, stats
+
+try:
+    import numpy as _numpy
+except ImportError:  # torch runs without numpy; the fit check then uses torch ops
+    _numpy = None
 from .batchnorm import _SyncNormBase
 from .functional import _memory_format, check_input, recomputing
 
@@ -352,19 +357,28 @@ def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -
         return bias is None
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
+    # max(|b| + floor, budget * tiny ** 0.25) <= budget * |w|: the amplification bound of
+    # _channels_to_keep, and |w| >= tiny ** 0.25
     info = torch.finfo(x.dtype)
     budget = AMPLIFICATION_BUDGET[x.dtype]
     floor = info.tiny / min(param, 1.0) if activation == "leaky_relu" else info.tiny
+    least = budget * info.tiny**0.25
+    if x.device.type == "cpu" and _numpy is not None:  # C-sized: numpy costs a third of torch here
+        w = weight.detach().numpy()
+        need = floor if bias is None else _numpy.abs(bias.detach().numpy()) + floor
+        return bool((_numpy.maximum(need, least) <= budget * _numpy.abs(w)).all())
     with torch.no_grad():
         need = torch.full_like(weight, floor) if bias is None else bias.abs().add_(floor)
-        need.clamp_min_(budget * info.tiny**0.25)
+        need.clamp_min_(least)
         return bool((need <= weight.abs().mul_(budget)).all())
 
 
 class _LocalBatchNormAct(torch.autograd.Function):
     """The layer without communication (no process group, or a group of one), on
     torch's own kernels: the training batch-norm kernel (statistics, running buffers and
-    normalization in one call), the activation in place; backward recovers ``z`` from the
+    normalization in one call; in the standard CPU layout the centered moments of
+    :func:`syncbn.stats.centered_moments` and one affine pass instead, faster there), the
+    activation in place; backward recovers ``z`` from the
     output and makes one call of the native backward kernel with ``z`` as its input,
     ``b`` as its mean and ``1 / w`` as its inverse standard deviation (so that its
     ``xhat`` is ``(z - b) / w``) and ``w * w * invstd`` as its weight (so that its
@@ -377,7 +391,21 @@ class _LocalBatchNormAct(torch.autograd.Function):
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}"
             )
-        if inplace:
+        if stats.memory_format(x) is torch.contiguous_format and stats.use_centered(x):
+            # torch's training kernel walks each channel with one scalar accumulator
+            # here: the centered moments are faster (and exact), then one affine pass
+            n = x.numel() // x.shape[1]
+            mean, m2 = stats.centered_moments(x, x.dtype)
+            var = m2.div_(n)
+            if running_mean is not None or running_var is not None:
+                stats.update_running_stats(running_mean, running_var, mean, var, n, momentum)
+            invstd = var.add_(eps).rsqrt_()
+            scale = invstd if weight is None else invstd * weight
+            shift = torch.zeros_like(mean) if bias is None else bias
+            y = stats.affine(x, mean, scale, shift, out=x if inplace else None)
+            if inplace:
+                ctx.mark_dirty(x)
+        elif inplace:
             mean, invstd = x.new_empty(0), x.new_empty(0)
             torch.ops.aten.native_batch_norm.out(
                 x, weight, bias, running_mean, running_var, True, momentum, eps,

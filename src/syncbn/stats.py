@@ -24,6 +24,8 @@ import torch.nn.functional as F
 __all__ = [
     "reduce_dims",
     "memory_format",
+    "use_centered",
+    "centered_moments",
     "local_moments",
     "compute_dtype",
     "accumulate_dtype",
@@ -77,8 +79,8 @@ def _mean_rounding_matters(mean, var, device) -> bool:
     return bool((mean.abs() > 16 * var.sqrt()).any())
 
 
-def _use_centered(x: torch.Tensor) -> bool:
-    """Whether this rank's moments come from :func:`_centered_moments` rather than the
+def use_centered(x: torch.Tensor) -> bool:
+    """Whether this rank's moments come from :func:`centered_moments` rather than the
     native statistics kernel: on the CPU, for 3D-5D inputs in the standard layout with
     planes of at least 16 elements per (sample, channel), and for channels-last inputs.
 
@@ -105,7 +107,7 @@ def memory_format(x: torch.Tensor):
     return torch.contiguous_format
 
 
-def _centered_moments(xs: torch.Tensor, dtype: torch.dtype):
+def centered_moments(xs: torch.Tensor, dtype: torch.dtype):
     """``(mean, M2)`` from vectorized reductions around a provisional mean ``s``:
     ``t = x - s``, ``S1 = sum t``, ``mean = s + S1 / n``, ``M2 = sum t^2 - S1^2 / n``
     (exact identities; ``t`` is exact where x and s are close, so nothing cancels when
@@ -129,12 +131,12 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     differences between the ranks' means that the merge must resolve, so for inputs
     below float64 the rounding is measured and added back: ``x - mean`` is exact
     where it matters (both close together), and its small sum is accurate. CPU inputs
-    in the standard layout take :func:`_centered_moments` instead (faster there, and
+    in the standard layout take :func:`centered_moments` instead (faster there, and
     exact in channels-last, always corrected for the rounding of the mean).
     """
     xs = x.float() if x.dtype in _HALF else x
-    if _use_centered(xs):
-        return _centered_moments(xs, dtype)
+    if use_centered(xs):
+        return centered_moments(xs, dtype)
     if x.device.type in NATIVE_KERNEL_DEVICES:
         mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
     else:  # portable composite ops (Welford) for every other backend
