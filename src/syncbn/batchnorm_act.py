@@ -395,14 +395,16 @@ class _LocalBatchNormAct(torch.autograd.Function):
             # torch's training kernel walks each channel with one scalar accumulator
             # here: the centered moments are faster (and exact), then one affine pass
             n = x.numel() // x.shape[1]
-            mean, m2 = stats.centered_moments(x, x.dtype)
+            mean, m2, centered, provisional = stats.centered_moments(x, torch.float64, keep=True)
             var = m2.div_(n)
             if running_mean is not None or running_var is not None:
                 stats.update_running_stats(running_mean, running_var, mean, var, n, momentum)
-            invstd = var.add_(eps).rsqrt_()
+            invstd = var.add_(eps).rsqrt_().to(x.dtype)
             scale = invstd if weight is None else invstd * weight
-            shift = torch.zeros_like(mean) if bias is None else bias
-            y = stats.affine(x, mean, scale, shift, out=x if inplace else None)
+            shift = torch.zeros_like(invstd) if bias is None else bias
+            # from the centered input, (x - s) - (mean - s): no cancellation at |mean| >> std
+            offset = (mean - provisional.to(mean.dtype)).to(x.dtype)
+            y = stats.affine(centered, offset, scale, shift, out=x if inplace else centered)
             if inplace:
                 ctx.mark_dirty(x)
         elif inplace:

@@ -139,7 +139,11 @@ class _SyncBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
-        packed = _pack_moments(x, stats.accumulate_dtype(x.device))
+        centered = None
+        if distributed.compiling():
+            packed = _pack_moments(x, stats.accumulate_dtype(x.device))
+        else:  # the centered input, where the CPU path makes one, is normalized in place
+            packed, centered, provisional = stats.pack_moments(x, stats.accumulate_dtype(x.device), keep=True)
         packed = distributed.all_reduce_sum(packed, group)
         count, mean, var = stats.merge_moments(packed, channels)
         _check_count(count, n, x.shape)
@@ -155,7 +159,11 @@ class _SyncBatchNorm(torch.autograd.Function):
         # parameters are brought to their dtype rather than the statistics to half
         scale = invstd if weight is None else invstd * weight.to(cdtype)
         shift = torch.zeros_like(mean_c) if bias is None else bias.to(cdtype)
-        y = stats.affine(x, mean_c, scale, shift)
+        if centered is None:
+            y = stats.affine(x, mean_c, scale, shift)
+        else:  # (x - s) - (mean - s): no cancellation where |mean| >> std
+            offset = (mean - provisional.to(mean.dtype)).to(cdtype)
+            y = stats.affine(centered, offset, scale, shift, out=centered).to(x.dtype)
 
         ctx.save_for_backward(x, weight, mean_c, invstd, count)
         ctx.group = group

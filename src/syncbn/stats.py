@@ -107,19 +107,37 @@ def memory_format(x: torch.Tensor):
     return torch.contiguous_format
 
 
-def centered_moments(xs: torch.Tensor, dtype: torch.dtype):
+def _sum_of_squares(t: torch.Tensor, overwrite: bool) -> torch.Tensor:
+    """Per-channel ``sum t^2``; ``t`` is left as it is unless ``overwrite``. In the
+    standard layout one dot product per (sample, channel) plane, a batched matmul that
+    writes nothing (the fastest of the reductions tried here); otherwise the squares go
+    to a temporary (or over ``t``) and torch's cascaded sum adds them (``linalg.vecdot``
+    does the same multiply and sum; the native batch-norm backward kernel would add them
+    in float32 row after row)."""
+    if memory_format(t) is torch.contiguous_format and t.is_contiguous() and t.dim() > 2:
+        planes = t.view(t.shape[0] * t.shape[1], 1, -1)
+        return torch.bmm(planes, planes.transpose(1, 2)).view(t.shape[0], t.shape[1]).sum(0)
+    return (t.square_() if overwrite else t.square()).sum(reduce_dims(t.dim()))
+
+
+def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False):
     """``(mean, M2)`` from vectorized reductions around a provisional mean ``s``:
     ``t = x - s``, ``S1 = sum t``, ``mean = s + S1 / n``, ``M2 = sum t^2 - S1^2 / n``
     (exact identities; ``t`` is exact where x and s are close, so nothing cancels when
-    |mean| >> std, and ``S1`` carries the rounding of ``s`` back into the mean)."""
+    |mean| >> std, and ``S1`` carries the rounding of ``s`` back into the mean).
+
+    With ``keep=True`` also ``(t, s)``: a new tensor the caller may normalize in place,
+    as ``(t - (mean - s)) * scale + shift``, which rounds far less than ``x * scale +
+    (shift - mean * scale)`` where |mean| >> std and saves the forward one pass."""
     dims = reduce_dims(xs.dim())
     n = xs.numel() // xs.shape[1]
     provisional = xs.sum(dims).div_(n)
     centered = xs - provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
     first = centered.sum(dims).to(dtype)
-    second = centered.square_().sum(dims).to(dtype)
+    second = _sum_of_squares(centered, overwrite=not keep).to(dtype)
     mean = provisional.to(dtype) + first / n
-    return mean, (second - first * first / n).clamp_min_(0)
+    m2 = (second - first * first / n).clamp_min_(0)
+    return (mean, m2, centered, provisional) if keep else (mean, m2)
 
 
 def local_moments(x: torch.Tensor, dtype: torch.dtype):
@@ -151,22 +169,29 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     return mean_hi, m2
 
 
-def pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def pack_moments(x: torch.Tensor, dtype: torch.dtype, keep: bool = False):
     """This rank's ``[n, n*m, M2 + n*m^2]`` for every channel, as one flat tensor.
 
     ``n`` is the same for every channel (the element count per channel); an empty
-    batch packs zeros, so an empty rank still takes part in the reduce.
+    batch packs zeros, so an empty rank still takes part in the reduce. With
+    ``keep=True`` returns ``(packed, centered, provisional)``: the centered input and
+    its shift from :func:`centered_moments` where :func:`use_centered` picks that path
+    (x in float32 for half inputs), else ``(packed, None, None)``.
     """
     channels = x.shape[1]
     n = x.numel() // channels if channels else 0
     packed = torch.zeros(2 * channels + 1, dtype=dtype, device=x.device)
     packed[0] = n
-    if n == 0:
-        return packed
-    mean, m2 = local_moments(x, dtype)
-    torch.mul(mean, n, out=packed[1 : channels + 1])
-    torch.addcmul(m2, mean, mean, value=n, out=packed[channels + 1 :])
-    return packed
+    centered = provisional = None
+    if n > 0:
+        xs = x.float() if x.dtype in _HALF else x
+        if keep and use_centered(xs):
+            mean, m2, centered, provisional = centered_moments(xs, dtype, keep=True)
+        else:
+            mean, m2 = local_moments(x, dtype)
+        torch.mul(mean, n, out=packed[1 : channels + 1])
+        torch.addcmul(m2, mean, mean, value=n, out=packed[channels + 1 :])
+    return (packed, centered, provisional) if keep else packed
 
 
 def merge_moments(packed: torch.Tensor, channels: int):
