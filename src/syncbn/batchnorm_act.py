@@ -39,9 +39,11 @@ or 8e-3 (bfloat16) of the true one. Choosing the channels reads a C-sized mask o
 host once per training forward (the only host synchronisation the layer adds, needed
 because the amount saved depends on it; ELU also takes each channel's local minimum
 and maximum, one more pass over the input); a layer that needs no gradient skips it.
-On the CPU one more read of C flags (no synchronisation there) picks how to normalize:
-the native kernel's single pass ``x * scale + shift``, or, where some channel has
-``|mean| > 16 std``, the centered ``(x - mean) * scale + b``, which accelerators always use.
+On the CPU, where the moments come from the centered input (:func:`syncbn.stats.use_centered`),
+that centered input is normalized in place (exact where |mean| >> std); otherwise one more
+read of C flags on the CPU (no synchronisation there) picks how to normalize: the native
+kernel's single pass ``x * scale + shift``, or, where some channel has ``|mean| > 16 std``,
+the centered ``(x - mean) * scale + b``, which accelerators always use.
 
 **In place.** The output is written over the input when nothing else can read the
 input afterwards; otherwise the layer works out of place, with the same numbers and the
@@ -244,7 +246,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation, param, inplace):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
-        packed = stats.pack_moments(x, stats.accumulate_dtype(x.device))
+        packed, centered, provisional = stats.pack_moments(x, stats.accumulate_dtype(x.device), keep=True)
         if syncing:
             packed = distributed.all_reduce_sum(packed, group)
         count, mean, var = stats.merge_moments(packed, channels)
@@ -260,6 +262,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
             stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
 
         cdtype = stats.compute_dtype(x.dtype)
+        offset = None if centered is None else (mean - provisional.to(mean.dtype)).to(cdtype)
         mean = mean.to(cdtype)
         invstd = torch.rsqrt(var.to(cdtype) + eps)
         gamma = torch.ones_like(mean) if weight is None else weight.detach().to(cdtype)
@@ -273,7 +276,13 @@ class _SyncBatchNormAct(torch.autograd.Function):
             else:
                 keep_idx = None
 
-        y = _normalize(x, mean, var, gamma * invstd, beta, cdtype, inplace)
+        if centered is None:
+            y = _normalize(x, mean, var, gamma * invstd, beta, cdtype, inplace)
+        else:  # the centered input kept from the moments: (x - s) - (mean - s), exact
+            same = centered.dtype == x.dtype
+            y = stats.affine(centered, offset, gamma * invstd, beta, out=x if inplace and same else centered)
+            if not same:
+                y = x.copy_(y) if inplace else y.to(x.dtype)
         _activate_(y, activation, param)
         if inplace:
             ctx.mark_dirty(x)
