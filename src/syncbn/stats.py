@@ -148,9 +148,10 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     (about 6e-8 |mean| in float32); when |mean| >> std that rounding is as large as the
     differences between the ranks' means that the merge must resolve, so for inputs
     below float64 the rounding is measured and added back: ``x - mean`` is exact
-    where it matters (both close together), and its small sum is accurate. CPU inputs
-    in the standard layout take :func:`centered_moments` instead (faster there, and
-    exact in channels-last, always corrected for the rounding of the mean).
+    where it matters (both close together), and its small sum is accurate. The CPU
+    inputs that :func:`use_centered` picks take :func:`centered_moments` instead (faster
+    in the standard layout, exact in channels-last, always corrected for the rounding of
+    the mean).
     """
     xs = x.float() if x.dtype in _HALF else x
     if use_centered(xs):
