@@ -116,7 +116,9 @@ def _sum_of_squares(t: torch.Tensor, overwrite: bool) -> torch.Tensor:
     in float32 row after row)."""
     if memory_format(t) is torch.contiguous_format and t.is_contiguous() and t.dim() > 2:
         planes = t.view(t.shape[0] * t.shape[1], 1, -1)
-        return torch.bmm(planes, planes.transpose(1, 2)).view(t.shape[0], t.shape[1]).sum(0)
+        with torch.autocast(t.device.type, enabled=False):  # autocast would run bmm in bfloat16
+            squares = torch.bmm(planes, planes.transpose(1, 2))
+        return squares.view(t.shape[0], t.shape[1]).sum(0)
     return (t.square_() if overwrite else t.square()).sum(reduce_dims(t.dim()))
 
 
