@@ -185,11 +185,12 @@ def _activation_grad(dy: Tensor, z: Tensor, activation: str, param: float) -> Te
     return dy
 
 
-def _channels_to_keep(x, weight, bias, mean, invstd, activation, param) -> Tensor:
+def _channels_to_keep(x, dtype, weight, bias, mean, invstd, activation, param) -> Tensor:
     """Boolean mask of the channels whose xhat cannot be recovered from the stored
-    output within the amplification budget (see the module docstring)."""
-    info = torch.finfo(x.dtype)
-    budget = AMPLIFICATION_BUDGET.get(x.dtype, 2.0**2)
+    output (of ``dtype``) within the amplification budget (see the module docstring).
+    ``x - mean`` must be the centered input (``x`` may be centered already)."""
+    info = torch.finfo(dtype)
+    budget = AMPLIFICATION_BUDGET.get(dtype, 2.0**2)
     floor = info.tiny / min(param, 1.0) if activation == "leaky_relu" else info.tiny
     scale = weight.abs()
     amplification = (bias.abs() + floor) / scale  # inf (or nan) where the weight is 0
@@ -246,7 +247,10 @@ class _SyncBatchNormAct(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation, param, inplace):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
-        packed, centered, provisional = stats.pack_moments(x, stats.accumulate_dtype(x.device), keep=True)
+        # in place, the centered values go straight over the input, which becomes the output
+        packed, centered, provisional = stats.pack_moments(
+            x, stats.accumulate_dtype(x.device), keep=True, overwrite=inplace
+        )
         if syncing:
             packed = distributed.all_reduce_sum(packed, group)
         count, mean, var = stats.merge_moments(packed, channels)
@@ -268,11 +272,14 @@ class _SyncBatchNormAct(torch.autograd.Function):
         gamma = torch.ones_like(mean) if weight is None else weight.detach().to(cdtype)
         beta = torch.zeros_like(mean) if bias is None else bias.detach().to(cdtype)
 
+        # the input as it is kept (centered where the moments centered it) and its mean
+        source, center = (x, mean) if centered is None else (centered, offset)
         keep_idx = keep_x = None
         if any(ctx.needs_input_grad[:3]) and x.numel():
-            keep_idx = _channels_to_keep(x, gamma, beta, mean, invstd, activation, param).nonzero().flatten()
+            keep = _channels_to_keep(source, x.dtype, gamma, beta, center, invstd, activation, param)
+            keep_idx = keep.nonzero().flatten()
             if keep_idx.numel():
-                keep_x = x.index_select(1, keep_idx)
+                keep_x = source.index_select(1, keep_idx)
             else:
                 keep_idx = None
 
@@ -287,7 +294,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
 
-        ctx.save_for_backward(y, keep_x, keep_idx, gamma, beta, mean, invstd, count.clone())
+        ctx.save_for_backward(y, keep_x, keep_idx, gamma, beta, center, invstd, count.clone())
         ctx.group = group
         ctx.syncing = syncing
         ctx.activation = activation

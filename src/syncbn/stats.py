@@ -122,7 +122,7 @@ def _sum_of_squares(t: torch.Tensor, overwrite: bool) -> torch.Tensor:
     return (t.square_() if overwrite else t.square()).sum(reduce_dims(t.dim()))
 
 
-def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False):
+def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False, overwrite: bool = False):
     """``(mean, M2)`` from vectorized reductions around a provisional mean ``s``:
     ``t = x - s``, ``S1 = sum t``, ``mean = s + S1 / n``, ``M2 = sum t^2 - S1^2 / n``
     (exact identities; ``t`` is exact where x and s are close, so nothing cancels when
@@ -130,11 +130,13 @@ def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False):
 
     With ``keep=True`` also ``(t, s)``: a new tensor the caller may normalize in place,
     as ``(t - (mean - s)) * scale + shift``, which rounds far less than ``x * scale +
-    (shift - mean * scale)`` where |mean| >> std and saves the forward one pass."""
+    (shift - mean * scale)`` where |mean| >> std and saves the forward one pass.
+    ``overwrite=True`` writes ``t`` over ``xs`` (no temporary: the caller gives ``xs`` up)."""
     dims = reduce_dims(xs.dim())
     n = xs.numel() // xs.shape[1]
     provisional = xs.sum(dims).div_(n)
-    centered = xs - provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
+    shift = provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
+    centered = xs.sub_(shift) if overwrite else xs - shift
     first = centered.sum(dims).to(dtype)
     second = _sum_of_squares(centered, overwrite=not keep).to(dtype)
     mean = provisional.to(dtype) + first / n
@@ -172,14 +174,15 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     return mean_hi, m2
 
 
-def pack_moments(x: torch.Tensor, dtype: torch.dtype, keep: bool = False):
+def pack_moments(x: torch.Tensor, dtype: torch.dtype, keep: bool = False, overwrite: bool = False):
     """This rank's ``[n, n*m, M2 + n*m^2]`` for every channel, as one flat tensor.
 
     ``n`` is the same for every channel (the element count per channel); an empty
     batch packs zeros, so an empty rank still takes part in the reduce. With
     ``keep=True`` returns ``(packed, centered, provisional)``: the centered input and
     its shift from :func:`centered_moments` where :func:`use_centered` picks that path
-    (x in float32 for half inputs), else ``(packed, None, None)``.
+    (x in float32 for half inputs), else ``(packed, None, None)``; with ``overwrite``
+    the centered values of a float32/float64 ``x`` are written over ``x`` itself.
     """
     channels = x.shape[1]
     n = x.numel() // channels if channels else 0
@@ -189,7 +192,7 @@ def pack_moments(x: torch.Tensor, dtype: torch.dtype, keep: bool = False):
     if n > 0:
         xs = x.float() if x.dtype in _HALF else x
         if keep and use_centered(xs):
-            mean, m2, centered, provisional = centered_moments(xs, dtype, keep=True)
+            mean, m2, centered, provisional = centered_moments(xs, dtype, keep=True, overwrite=overwrite)
         else:
             mean, m2 = local_moments(x, dtype)
         torch.mul(mean, n, out=packed[1 : channels + 1])
