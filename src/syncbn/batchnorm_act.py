@@ -101,7 +101,7 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import _memory_format, check_input, recomputing
+from .functional import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS"]
 
@@ -314,7 +314,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
             sum_dy = torch.zeros(channels, dtype=cdtype, device=y.device)
             sum_dy_xhat = torch.zeros_like(sum_dy)
         else:
-            dy = dy.contiguous(memory_format=_memory_format(y))
+            dy = dy.contiguous(memory_format=stats.memory_format(y))
             z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype)
             sum_dy, sum_dy_xhat = stats.backward_sums_from_output(dz, z, gamma, beta)
             if keep_idx is not None:
@@ -443,7 +443,7 @@ class _LocalBatchNormAct(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         y, weight, bias, invstd = ctx.saved_tensors
-        dy = dy.contiguous(memory_format=_memory_format(y))
+        dy = dy.contiguous(memory_format=stats.memory_format(y))
         if ctx.activation == "leaky_relu":
             z = F.leaky_relu(y, 1.0 / ctx.param)
             dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
@@ -561,7 +561,7 @@ def _can_overwrite(module: nn.Module, x: Tensor, refs) -> bool:
         return False
     if x.requires_grad and x.is_leaf:
         return False
-    if x._is_view() or not x.is_contiguous(memory_format=_memory_format(x)) or x.retains_grad:
+    if x._is_view() or not x.is_contiguous(memory_format=stats.memory_format(x)) or x.retains_grad:
         return False
     if x.is_inference() and not torch.is_inference_mode_enabled():
         return False

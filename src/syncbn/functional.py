@@ -129,9 +129,6 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
         raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
 
 
-_memory_format = stats.memory_format
-
-
 class _SyncBatchNorm(torch.autograd.Function):
     """Forward and backward of the synchronized layer; one all-reduce each way."""
 
@@ -175,7 +172,7 @@ class _SyncBatchNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dy = dy.contiguous(memory_format=_memory_format(x))
+        dy = dy.contiguous(memory_format=stats.memory_format(x))
         sum_dy, sum_dy_xhat = stats.backward_sums(dy, x, mean, invstd)
 
         dx = None

@@ -190,8 +190,8 @@ def pack_moments(x: torch.Tensor, dtype: torch.dtype, keep: bool = False, overwr
     packed[0] = n
     centered = provisional = None
     if n > 0:
-        xs = x.float() if x.dtype in _HALF else x
-        if keep and use_centered(xs):
+        if keep and use_centered(x):
+            xs = x.float() if x.dtype in _HALF else x  # a copy for half inputs: overwriting it is free
             mean, m2, centered, provisional = centered_moments(xs, dtype, keep=True, overwrite=overwrite)
         else:
             mean, m2 = local_moments(x, dtype)
