@@ -267,9 +267,14 @@ def _run_torchrun(config: DemoConfig) -> int:
         torch.set_num_threads(1)
     dist.init_process_group(config.backend, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
     try:
-        report = train_on_rank(config, "torchrun")
+        state = _distributed_runs(config, "torchrun")
+        # Every rank leaves the group at the same point: a rank that tore its gloo pairs
+        # down while rank 0 still read from them was seen to abort ("terminate called
+        # without an active exception"). Rank 0 then computes the reference alone.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    report = _reference_and_summary(config, "torchrun", *state) if state[0].main else None
     if report is not None:
         report["elapsed_s"] = time.perf_counter() - start
         write_report(report, config.out)
@@ -503,6 +508,14 @@ def train_on_rank(config: DemoConfig, launcher: str) -> Optional[dict]:
     Runs 1 and 2 (DDP) on every rank, then run 3 on rank 0 alone. Returns the report
     (a plain dict, see :func:`write_report`) on rank 0 and None elsewhere.
     """
+    ctx, data, records = _distributed_runs(config, launcher)
+    if not ctx.main:
+        return None  # nothing more to do here: rank 0 computes the reference alone
+    return _reference_and_summary(config, launcher, ctx, data, records)
+
+
+def _distributed_runs(config: DemoConfig, launcher: str):
+    """Runs 1 and 2 (DDP, every rank): returns this rank's context, data and records."""
     import syncbn
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -529,8 +542,13 @@ def train_on_rank(config: DemoConfig, launcher: str) -> Optional[dict]:
     )
     records["syncbn"] = _train("syncbn", 2, model, config, data, ctx)
     del model
-    if not ctx.main:
-        return None  # nothing more to do here: rank 0 computes the reference alone
+    return ctx, data, records
+
+
+def _reference_and_summary(config: DemoConfig, launcher: str, ctx: _Context, data: _Data,
+                           records: Dict[str, "_Record"]) -> dict:
+    """Run 3 on rank 0 alone (no process group needed) and the report of all three."""
+    device = ctx.device
     # 3. the reference: one process, the W batches concatenated in rank order, no DDP
     solo = _Context(0, 1, device, True, ctx.progress)
     records["big_batch"] = _train("big_batch", 3, _new_model(config, device), config, data, solo)
