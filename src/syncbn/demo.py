@@ -267,14 +267,14 @@ def _run_torchrun(config: DemoConfig) -> int:
         torch.set_num_threads(1)
     dist.init_process_group(config.backend, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
     try:
-        state = _distributed_runs(config, "torchrun")
+        ctx, data, records = _distributed_runs(config, "torchrun")
         # Every rank leaves the group at the same point: a rank that tore its gloo pairs
         # down while rank 0 still read from them was seen to abort ("terminate called
         # without an active exception"). Rank 0 then computes the reference alone.
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    report = _reference_and_summary(config, "torchrun", *state) if state[0].main else None
+    report = _reference_and_summary(config, "torchrun", ctx, data, records) if ctx.main else None
     if report is not None:
         report["elapsed_s"] = time.perf_counter() - start
         write_report(report, config.out)
@@ -546,7 +546,7 @@ def _distributed_runs(config: DemoConfig, launcher: str):
 
 
 def _reference_and_summary(config: DemoConfig, launcher: str, ctx: _Context, data: _Data,
-                           records: Dict[str, "_Record"]) -> dict:
+                           records: Dict[str, _Record]) -> dict:
     """Run 3 on rank 0 alone (no process group needed) and the report of all three."""
     device = ctx.device
     # 3. the reference: one process, the W batches concatenated in rank order, no DDP
