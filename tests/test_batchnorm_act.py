@@ -875,6 +875,32 @@ def test_local_kernels_only_where_the_output_can_be_inverted(monkeypatch, host, 
     assert not batchnorm_act._local_kernels_fit(x, layer.weight, layer.bias, "leaky_relu", 1e-42)
 
 
+def test_local_kernels_fit_reads_current_weights():
+    """The fit check's cached host views never go stale: writes through ``.data`` (which
+    bypass the version counter), a new storage, and a cast are all seen."""
+    layer = syncbn.SyncBatchNormAct(3)
+    x = torch.randn(4, 3, 5)
+    fit = lambda: batchnorm_act._local_kernels_fit(x, layer.weight, layer.bias, "leaky_relu", 0.01)  # noqa: E731
+    assert fit()
+    layer.weight.data[1] = 0.0  # in place, no version bump
+    assert not fit()
+    layer.weight.data.fill_(1.0)
+    assert fit()
+    layer.weight.data = torch.tensor([1.0, 1e-30, 1.0])  # another storage
+    assert not fit()
+    layer.weight.data = torch.ones(3)
+    assert fit()
+    layer.double()
+    assert not fit()  # float32 input, float64 weights: the general path
+    assert batchnorm_act._local_kernels_fit(x.double(), layer.weight, layer.bias, "leaky_relu", 0.01)
+    with torch.no_grad():
+        layer.bias.fill_(1e3)  # |b| / |w| = 1e3: within the float64 budget, 2**16
+    assert batchnorm_act._local_kernels_fit(x.double(), layer.weight, layer.bias, "leaky_relu", 0.01)
+    with torch.no_grad():
+        layer.bias.fill_(1e6)  # beyond it
+    assert not batchnorm_act._local_kernels_fit(x.double(), layer.weight, layer.bias, "leaky_relu", 0.01)
+
+
 @pytest.mark.parametrize("layout,shape", [
     ("contiguous", (4, 6, 10, 10)), ("contiguous", (4, 8, 256, 128)), ("channels_last", (4, 6, 10, 10)),
 ])

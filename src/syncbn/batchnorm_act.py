@@ -358,6 +358,40 @@ class _SyncBatchNormAct(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
+_FIT_BOUNDS = {}  # (dtype, activation, param) -> (budget, floor, least)
+
+
+def _fit_bounds(dtype, activation: str, param: float):
+    key = (dtype, activation, param)
+    bounds = _FIT_BOUNDS.get(key)
+    if bounds is None:
+        info = torch.finfo(dtype)
+        budget = AMPLIFICATION_BUDGET[dtype]
+        floor = info.tiny / min(param, 1.0) if activation == "leaky_relu" else info.tiny
+        bounds = _FIT_BOUNDS[key] = (budget, floor, budget * info.tiny**0.25)
+    return bounds
+
+
+_HOST_VIEWS = {}  # id(parameter) -> (weak reference, data pointer, numel, dtype, numpy view)
+
+
+def _host_view(t: Tensor):
+    """A numpy array over the memory of the CPU tensor ``t`` (so it always reads its
+    current values), made once and kept while ``t`` lives and stays where it is: a
+    parameter replaced through ``.data = ...``, moved or cast gets a new view. Its
+    values are read each call; only the wrapping is cached (a C-sized check costs
+    several times more with a fresh ``detach().numpy()`` per call)."""
+    key = id(t)
+    entry = _HOST_VIEWS.get(key)
+    if entry is not None and entry[0]() is t and entry[1] == t.data_ptr() and entry[2] == t.numel() \
+            and entry[3] == t.dtype:
+        return entry[4]
+    view = t.detach().numpy()
+    _HOST_VIEWS[key] = (weakref.ref(t, lambda _, key=key: _HOST_VIEWS.pop(key, None)), t.data_ptr(), t.numel(),
+                        t.dtype, view)
+    return view
+
+
 def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -> bool:
     """Whether a training call without communication can take :class:`_LocalBatchNormAct`:
     torch's own kernels on a CPU or CUDA float32/float64 input, leaky_relu or identity,
@@ -373,20 +407,21 @@ def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -
         return bias is None
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
-    # max(|b| + floor, budget * tiny ** 0.25) <= budget * |w|: the amplification bound of
-    # _channels_to_keep, and |w| >= tiny ** 0.25
-    info = torch.finfo(x.dtype)
-    budget = AMPLIFICATION_BUDGET[x.dtype]
-    floor = info.tiny / min(param, 1.0) if activation == "leaky_relu" else info.tiny
-    least = budget * info.tiny**0.25
-    if x.device.type == "cpu" and _numpy is not None:  # C-sized: numpy costs a third of torch here
-        w = weight.detach().numpy()
-        need = floor if bias is None else _numpy.abs(bias.detach().numpy()) + floor
-        return bool((_numpy.maximum(need, least) <= budget * _numpy.abs(w)).all())
+    # max(|b|, budget * tiny ** 0.25) + floor <= budget * |w| (implies the amplification
+    # bound of _channels_to_keep, (|b| + floor) / |w| <= budget, and |w| >= tiny ** 0.25)
+    budget, floor, least = _fit_bounds(x.dtype, activation, param)
+    if x.device.type == "cpu" and _numpy is not None:  # C-sized: numpy costs a fraction of torch here
+        scaled = _numpy.abs(_host_view(weight))
+        scaled *= budget
+        if bias is None:
+            return bool((scaled >= least + floor).all())
+        need = _numpy.abs(_host_view(bias))
+        _numpy.maximum(need, least, out=need)
+        need += floor
+        return bool((need <= scaled).all())
     with torch.no_grad():
-        need = torch.full_like(weight, floor) if bias is None else bias.abs().add_(floor)
-        need.clamp_min_(least)
-        return bool((need <= weight.abs().mul_(budget)).all())
+        need = torch.full_like(weight, least) if bias is None else bias.abs().clamp_min_(least)
+        return bool((need.add_(floor) <= weight.abs().mul_(budget)).all())
 
 
 # Below this size the native training kernel's single call beats the centered moments'
@@ -451,17 +486,20 @@ class _LocalBatchNormAct(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         y, weight, bias, invstd = ctx.saved_tensors
+        # the per-channel vectors first: small operations run faster before the passes
+        # over the data than between them
+        w = torch.ones_like(invstd) if weight is None else weight.detach()
+        b = torch.zeros_like(invstd) if bias is None else bias.detach()
+        scale, reciprocal = w * w * invstd, w.reciprocal()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy = dy.contiguous(memory_format=stats.memory_format(y))
         if ctx.activation == "leaky_relu":
             z = F.leaky_relu(y, 1.0 / ctx.param)
             dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
         else:
             z, dz = y, dy
-        w = torch.ones_like(invstd) if weight is None else weight.detach()
-        b = torch.zeros_like(invstd) if bias is None else bias.detach()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-            dz, z, w * w * invstd, None, None, b, w.reciprocal(), True, 0.0, [need_x, need_w, need_b]
+            dz, z, scale, None, None, b, reciprocal, True, 0.0, [need_x, need_w, need_b]
         )
         return dx, dw, db, None, None, None, None, None, None, None
 
