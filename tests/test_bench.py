@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from syncbn.bench import communication, report, runner
+from syncbn.bench import communication, memory, report, runner
 from syncbn.bench.plan import PEERS, make_plan
 
 QUICK_TIMEOUT = 420  # about 90 s on two idle cores; generous for a loaded machine
@@ -96,6 +96,16 @@ def test_quick_numerics_and_memory(quick):
     for b in mem["blocks"]:
         assert b["available"] or b["reason"]
     assert mem["peak_step"] and all(p["available"] or p["reason"] for p in mem["peak_step"])
+    assert {p["layout"] for p in mem["peak_step"]} == {"contiguous", "channels_last"}
+    for layout in ("contiguous", "channels_last"):
+        rows = {p["model"]: p for p in mem["peak_step"] if p["layout"] == layout and p["available"]}
+        fused = next((p for name, p in rows.items() if "fused" in name), None)
+        bound = rows.get(memory.OUTPUT_ONLY)
+        if fused is not None:  # the stand-in is a bound: no layer keeping its output goes below it
+            assert bound is not None and bound["fused_layers"] == fused["fused_layers"] > 0
+            assert bound["peak_allocated_bytes"] <= fused["peak_allocated_bytes"]
+        figure = next(f for f in rep["fused"] if f["figure"].endswith(f"fused / unfused, {layout}"))
+        assert figure["value"] is None or 0 < figure["value"] < 1.5
     assert rep["floor"]["bytes_per_s"] > 0
 
 
@@ -119,3 +129,29 @@ def test_communication_models():
             assert ours["forward_wire_bytes"] + ours["backward_wire_bytes"] < 2 * ((2 * c + 1) * 8 + 2 * c * 4)
             theirs = communication.torch_syncbn_model(w, c)
             assert theirs["forward_wire_bytes"] == (w - 1) * (2 * c + 1) * 4
+
+
+def test_output_only_stand_in_keeps_exactly_its_output():
+    """The memory bound's stand-in: same forward output as the fused layer, and it saves
+    one tensor, its output, whose storage is the input's (written in place)."""
+    torch = pytest.importorskip("torch")
+    from syncbn import SyncBatchNormAct
+    from syncbn.memory import saved_tensors
+
+    torch.manual_seed(0)
+    fused = SyncBatchNormAct(8, "leaky_relu", memory.LEAKY_SLOPE)
+    with torch.no_grad():
+        fused.weight.uniform_(0.5, 2.0)
+        fused.bias.uniform_(-1.0, 1.0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), fused)
+    x = torch.randn(4, 3, 16, 16)
+    expected = model(x).detach()
+    bound = memory._output_only(model)
+    assert type(bound[1]).__name__ == "OutputOnly" and memory._count_fused(bound) == 1
+    with saved_tensors(ignore=[bound]) as saved:
+        y = bound(x)
+    torch.testing.assert_close(y.detach(), expected, atol=1e-5, rtol=1e-5)
+    # the conv keeps x (its input), the stand-in its output: nothing else
+    assert saved.storages == 2 and saved.bytes == x.numel() * 4 + y.numel() * 4
+    y.backward(torch.ones_like(y))
+    assert bound[0].weight.grad is not None

@@ -262,21 +262,37 @@ def _fused_figures(timing: dict, memory: Optional[dict]) -> List[dict]:
         figures.append({"figure": "bytes saved for backward, fused block / torch BN + LeakyReLU", "value": None,
                         "text": "not available" + (f": {fused['reason']}" if fused and not fused["available"] else "")})
     peaks = (memory or {}).get("peak_step") or []
+    for layout in dict.fromkeys(p.get("layout", "contiguous") for p in peaks) or ["contiguous"]:
+        figures.append(_peak_figure([p for p in peaks if p.get("layout", "contiguous") == layout], layout))
+    return figures
+
+
+def _peak_figure(peaks: list, layout: str) -> dict:
+    """Fused / unfused peak memory of a demo-network step in one layout, with the bound
+    that a layer keeping only its output could reach."""
+    from .memory import OUTPUT_ONLY
+
     fused = next((p for p in peaks if "fused" in p["model"]), None)
     unfused = next((p for p in peaks if p["model"].startswith("syncbn.SyncBatchNorm +")), None)
-    name = "demo network training step, peak memory, fused / unfused"
-    if fused and unfused and fused["available"] and unfused["available"] and unfused["peak_allocated_bytes"] > 0:
-        allocated = fused["peak_allocated_bytes"] / unfused["peak_allocated_bytes"]
-        rss = fused["peak_rise_bytes"] / unfused["peak_rise_bytes"] if unfused["peak_rise_bytes"] > 0 else None
-        figures.append({"figure": name, "value": allocated, "rss_ratio": rss,
-                        "text": f"peak allocated {fused['peak_allocated_bytes'] / 2**20:.1f} MiB vs "
-                                f"{unfused['peak_allocated_bytes'] / 2**20:.1f} MiB ({allocated:.2f}x); peak RSS rise "
-                                f"{fused['peak_rise_bytes'] / 2**20:.1f} MiB vs {unfused['peak_rise_bytes'] / 2**20:.1f} MiB"
-                                f" ({_fmt(rss)}x); {fused.get('fused_layers')} fused layers"})
-    else:
-        figures.append({"figure": name, "value": None,
-                        "text": "not available" + (f": {fused['reason']}" if fused and not fused["available"] else "")})
-    return figures
+    bound = next((p for p in peaks if p["model"] == OUTPUT_ONLY), None)
+    name = f"demo network training step, peak memory, fused / unfused, {layout}"
+    if not (fused and unfused and fused["available"] and unfused["available"] and unfused["peak_allocated_bytes"] > 0):
+        return {"figure": name, "value": None, "layout": layout,
+                "text": "not available" + (f": {fused['reason']}" if fused and not fused["available"] else "")}
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    allocated = fused["peak_allocated_bytes"] / unfused["peak_allocated_bytes"]
+    rss = fused["peak_rise_bytes"] / unfused["peak_rise_bytes"] if unfused["peak_rise_bytes"] > 0 else None
+    text = (f"peak allocated {mib(fused['peak_allocated_bytes'])} vs {mib(unfused['peak_allocated_bytes'])} "
+            f"({allocated:.3f}x); peak RSS rise {mib(fused['peak_rise_bytes'])} vs {mib(unfused['peak_rise_bytes'])} "
+            f"({_fmt(rss)}x); {fused.get('fused_layers')} fused layers")
+    figure = {"figure": name, "value": allocated, "rss_ratio": rss, "layout": layout, "bound_ratio": None}
+    if bound and bound["available"]:
+        figure["bound_ratio"] = bound["peak_allocated_bytes"] / unfused["peak_allocated_bytes"]
+        text += (f"; a layer keeping only its output can reach at best {mib(bound['peak_allocated_bytes'])} allocated "
+                 f"({figure['bound_ratio']:.3f}x; the fused layer is "
+                 f"{mib(fused['peak_allocated_bytes'] - bound['peak_allocated_bytes'])} above it)")
+    figure["text"] = text
+    return figure
 
 
 def build(plan: dict, raw: dict, meta: dict) -> dict:
@@ -309,7 +325,10 @@ def build(plan: dict, raw: dict, meta: dict) -> dict:
         "Keras and Flax: 'contiguous' is NCHW with axis=1, 'channels_last' is NHWC with axis=-1.",
         "Peak memory of a step: 'peak allocated' sums the profiler's allocation events (exact, allocator-free); "
         "'peak RSS rise' is what the operating system saw, at page granularity and after the allocator's reuse "
-        "of freed memory, so it is coarse for small models.",
+        "of freed memory, so it is coarse for small models. The lower-bound row replaces every fused layer by a "
+        "stand-in that keeps only its output and allocates only the input gradient in backward (its gradients are "
+        "not real): no layer that keeps its output can go below it; what lies between it and zero is the network's "
+        "own (concatenations, loss, convolution inputs and scratch, which differs between the two layouts).",
         f"Floor: {sum(PASSES.values())} passes over the per-replica input ({', '.join(f'{k}: {v}' for k, v in PASSES.items())}) "
         "at the measured copy bandwidth of one process.",
     ]
@@ -401,11 +420,12 @@ def _memory_lines(report: dict, md: bool) -> List[str]:
                   [[b["block"], f"{b['saved_bytes'] / 2**20:.2f} MiB" if b["available"] else "not available",
                     _fmt(b.get("ratio_to_input")) if b["available"] else b["reason"]] for b in mem["blocks"]])
     lines.append("")
-    lines += table(["demo network (TinyUNet, LeakyReLU), one training step", "peak RSS rise", "peak allocated",
-                    "peak RSS"],
-                   [[p["model"], f"{p['peak_rise_bytes'] / 2**20:.1f} MiB", f"{p['peak_allocated_bytes'] / 2**20:.1f} MiB",
-                     f"{p['peak_rss_bytes'] / 2**20:.0f} MiB"] if p["available"] else
-                    [p["model"], "not available", "", p["reason"]] for p in mem["peak_step"] or []])
+    lines += table(["demo network (TinyUNet, LeakyReLU), one training step", "layout", "peak RSS rise",
+                    "peak allocated", "peak RSS"],
+                   [[p["model"], p.get("layout", "contiguous"), f"{p['peak_rise_bytes'] / 2**20:.1f} MiB",
+                     f"{p['peak_allocated_bytes'] / 2**20:.1f} MiB", f"{p['peak_rss_bytes'] / 2**20:.0f} MiB"]
+                    if p["available"] else [p["model"], p.get("layout", "contiguous"), "not available", "", p["reason"]]
+                    for p in mem["peak_step"] or []])
     return lines
 
 
