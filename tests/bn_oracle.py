@@ -111,13 +111,18 @@ def build_module(case: Case, data, group):
     return module
 
 
-def backward_and_record(result, module, x, y, dy, fmt, input_grad) -> None:
+def backward_and_record(result, module, x, y, dy, fmt, input_grad, through_product=False) -> None:
     """Run one step's backward with a contiguous ``dy`` (whatever x's format) and append
     the output, the gradients (weight and bias grads then cleared) and the format and
-    dtype checks to ``result``."""
+    dtype checks to ``result``. ``through_product``: backward from ``(y * dy).sum()``,
+    so that the layer gets the same values as a fresh gradient that nothing else holds
+    (``y.backward(dy)`` hands it the caller's tensor)."""
     if fmt is not torch.contiguous_format and x.numel():
         result["formats_kept"] &= y.is_contiguous(memory_format=fmt)
-    y.backward(dy)
+    if through_product:
+        (y * dy).sum().backward()
+    else:
+        y.backward(dy)
     step = {"y": y.detach().double(), "dx": None if x.grad is None else x.grad.detach().double()}
     if input_grad and x.numel() and fmt is not torch.contiguous_format:
         result["formats_kept"] &= x.grad.is_contiguous(memory_format=fmt)

@@ -113,7 +113,8 @@ def run_act_case(case: ActCase):
             y = module(x)
             result["in_place"].append(False)
             assert x.numel() == 0 or torch.equal(x.detach().double(), xs[rank]), "input was overwritten"
-        backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, base.input_grad)
+        # odd steps: a gradient no one else holds, which the layer may overwrite
+        backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, base.input_grad, through_product=i % 2 == 1)
     result["buffers"] = {n: None if b is None else b.detach().double().clone() for n, b in module.named_buffers()}
     module.eval()
     result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
@@ -524,6 +525,91 @@ def test_temporaries_are_overwritten():
     hook.remove()
     layer.eval()
     assert not overwrote(layer(rec(x)))  # eval: plain torch ops
+
+
+def _spy_grad_is_free(monkeypatch):
+    seen = []
+    real = batchnorm_act._grad_is_free
+
+    def spy(dy, refs):
+        seen.append(real(dy, refs))
+        return seen[-1]
+
+    monkeypatch.setattr(batchnorm_act, "_grad_is_free", spy)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["local", "general"])
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 1.0)])
+def test_incoming_gradient_overwritten_only_when_no_one_else_holds_it(monkeypatch, path, activation, param):
+    """dz goes over the incoming gradient only when that gradient is a fresh tensor
+    that nothing else reads; the caller's, a hook's, retain_grad's and a gradient the
+    engine still owes another node keep their values, and every gradient is right."""
+    if path == "general":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    if activation == "elu" and path == "local":
+        pytest.skip("elu always takes the general path")
+    seen = _spy_grad_is_free(monkeypatch)
+    torch.manual_seed(5)
+    x0 = torch.randn(3, 4, 5, 2) + 0.5
+    g = torch.randn_like(x0)
+    layer = syncbn.SyncBatchNormAct(4, activation, param)
+    ref_layer = nn.Sequential(nn.BatchNorm2d(4), torch_activation(activation, param))
+    with torch.no_grad():  # a negative weight, none near zero: no channel keeps its input
+        for bn in (layer, ref_layer[0]):
+            bn.weight.copy_(torch.tensor([1.5, -0.5, 0.7, 0.8]))
+            bn.bias.copy_(torch.tensor([0.2, -0.3, 0.4, 0.0]))
+
+    def grads(module, run):
+        x = x0.clone().requires_grad_()
+        extra = torch.randn(3, 4, 5, 2, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        stored = run(module, x, extra)
+        out = [x.grad.clone(), extra.grad.clone() if extra.grad is not None else None]
+        return out, stored
+
+    def free(module, x, extra):  # the fresh gradient of a product: may be overwritten
+        (module(x * 1) * g).sum().backward()
+
+    def caller(module, x, extra):  # y.backward(g): the caller's tensor
+        g_held = g.clone()
+        module(x * 1).backward(g_held)
+        return g_held
+
+    def hooked(module, x, extra):
+        y = module(x * 1)
+        kept = []
+        y.register_hook(lambda grad: kept.append(grad))
+        (y * g).sum().backward()
+        return kept[0]
+
+    def retained(module, x, extra):
+        y = module(x * 1)
+        y.retain_grad()
+        (y * g).sum().backward()
+        return y.grad
+
+    def shared(module, x, extra):  # a + b: the engine hands both the same gradient
+        other = extra * 3  # its node runs after the layer's: the shared tensor is still owed to it
+        ((module(x * 1) + other) * g).sum().backward()
+
+    expected = {}
+    for name, run in (("free", free), ("caller", caller), ("hooked", hooked), ("retained", retained),
+                      ("shared", shared)):
+        seen.clear()
+        ours, stored = grads(layer, run)
+        ref, ref_stored = grads(ref_layer, run)
+        expected[name] = list(seen)
+        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5, msg=name)
+        if ref[1] is not None:
+            torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=0, msg=name)
+        if stored is not None:  # what the caller or the hook kept is still the gradient wrt y
+            torch.testing.assert_close(stored, ref_stored, rtol=0, atol=0, msg=name)
+        for p in list(layer.parameters()) + list(ref_layer.parameters()):
+            p.grad = None
+    assert batchnorm_act._grad_baseline() is not None  # the check is live on this interpreter
+    assert expected["free"] == [True]
+    for name in ("caller", "hooked", "retained", "shared"):
+        assert expected[name] in ([False], [True]) and (name == "retained" or expected[name] == [False]), (name, expected)
 
 
 def test_retain_graph_backward_twice():

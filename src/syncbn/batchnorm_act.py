@@ -61,6 +61,20 @@ place; ``x = conv(x); x = bnact(x)`` and anything else keeping ``x`` run out of 
 When the Python version makes a held tensor indistinguishable from a temporary by its
 reference count, the layer never works in place.
 
+The backward pass works in place too: the activation's gradient goes over the incoming
+gradient when that is a fresh tensor that only the autograd engine and this call hold
+(in a network, the input gradient of the next layer), so the pass allocates only the
+recovered pre-activation and the input gradient (the synchronized path builds the input
+gradient in the pre-activation's memory: one new tensor in all). The check compares the gradient's Python, TensorImpl and
+storage reference counts with those of such a fresh gradient, measured once at the
+first training forward together with two cases that must differ from it (the caller's
+own tensor, and a gradient the engine still owes another node, as ``a + b`` hands both
+sides the same tensor); if either cannot be told apart, the incoming gradient is never
+overwritten. A gradient passed in by the caller (``y.backward(g)``,
+``torch.autograd.grad(y, x, g)``), kept by a hook or by a node that has yet to run, a
+view, one that requires grad (double backward) and the channels that keep their inputs
+all get a buffer of their own.
+
 Activations: ``"identity"``, ``"leaky_relu"`` (``activation_param`` is the negative
 slope, which must be positive: slope 0 is ReLU, which loses the sign of every negative
 input, and a negative slope is not monotonic) and ``"elu"`` (``activation_param`` is
@@ -155,17 +169,26 @@ def _activate_(y: Tensor, activation: str, param: float) -> Tensor:
     return y
 
 
-def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype):
+def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype, overwrite_dy: bool = False):
     """``(z, dz, owned)``: the activation's input recovered from its output and the
     gradient with respect to it, both in the compute dtype; ``owned`` tells whether
-    ``z`` is a new tensor that the caller may overwrite (identity returns ``y`` itself)."""
+    ``z`` is a new tensor that the caller may overwrite (identity returns ``y`` itself).
+    ``dz`` is written over ``dy`` when ``overwrite_dy`` (nothing else reads ``dy``), or
+    over its compute-dtype copy."""
     yc = y.to(cdtype)
     dyc = dy.to(cdtype)
+    into = {"grad_input": dyc} if overwrite_dy or dyc is not dy else None
     if activation == "leaky_relu":
         z = F.leaky_relu(yc, 1.0 / param)
-        dz = torch.ops.aten.leaky_relu_backward(dyc, yc, param, True)
+        if into:
+            dz = torch.ops.aten.leaky_relu_backward.grad_input(dyc, yc, param, True, **into)
+        else:
+            dz = torch.ops.aten.leaky_relu_backward(dyc, yc, param, True)
     elif activation == "elu":
-        dz = torch.ops.aten.elu_backward(dyc, param, 1, 1, True, yc)
+        if into:
+            dz = torch.ops.aten.elu_backward.grad_input(dyc, param, 1, 1, True, yc, **into)
+        else:
+            dz = torch.ops.aten.elu_backward(dyc, param, 1, 1, True, yc)
         # log1p(min(y, 0) / alpha) + max(y, 0): log1p(y / alpha) where y < 0, else y
         z = yc.clamp(max=0)
         if param != 1.0:
@@ -306,6 +329,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
+        refs = sys.getrefcount(dy)  # first: see _grad_is_free
         y, keep_x, keep_idx, gamma, beta, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         channels = y.shape[1]
@@ -314,8 +338,11 @@ class _SyncBatchNormAct(torch.autograd.Function):
             sum_dy = torch.zeros(channels, dtype=cdtype, device=y.device)
             sum_dy_xhat = torch.zeros_like(sum_dy)
         else:
+            given = dy
             dy = dy.contiguous(memory_format=stats.memory_format(y))
-            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype)
+            # the kept channels read dy again below: then dz gets its own buffer
+            free = keep_idx is None and (dy is not given or _grad_is_free(given, refs))
+            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype, overwrite_dy=free)
             sum_dy, sum_dy_xhat = stats.backward_sums_from_output(dz, z, gamma, beta)
             if keep_idx is not None:
                 # the kept channels, from their inputs: x-hat exactly, and the activation's
@@ -485,6 +512,7 @@ class _LocalBatchNormAct(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
+        refs = sys.getrefcount(dy)  # first: see _grad_is_free
         y, weight, bias, invstd = ctx.saved_tensors
         # the per-channel vectors first: small operations run faster before the passes
         # over the data than between them
@@ -492,10 +520,14 @@ class _LocalBatchNormAct(torch.autograd.Function):
         b = torch.zeros_like(invstd) if bias is None else bias.detach()
         scale, reciprocal = w * w * invstd, w.reciprocal()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        given = dy
         dy = dy.contiguous(memory_format=stats.memory_format(y))
         if ctx.activation == "leaky_relu":
             z = F.leaky_relu(y, 1.0 / ctx.param)
-            dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
+            if dy is not given or _grad_is_free(given, refs):  # dz over dy: one buffer fewer
+                dz = torch.ops.aten.leaky_relu_backward.grad_input(dy, y, ctx.param, True, grad_input=dy)
+            else:
+                dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
         else:
             z, dz = y, dy
         dx, dw, db = torch.ops.aten.native_batch_norm_backward(
@@ -634,6 +666,77 @@ def _can_overwrite(module: nn.Module, x: Tensor, refs) -> bool:
     return refs <= limit
 
 
+# ---- may the incoming gradient be overwritten? ----------------------------------------
+
+
+class _GradProbe(torch.autograd.Function):
+    """Measures, at the first statement of its backward, what the layer's backward
+    measures at its: the reference counts of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        refs = sys.getrefcount(dy)
+        _GRAD_PROBE_SEEN.append((refs, dy._use_count(), _storage_users(dy)))
+        return dy.clone()
+
+
+_GRAD_PROBE_SEEN = []
+_GRAD_BASELINE = []  # [(Python refs, TensorImpl users, storage users) of a gradient no one else holds, or None]
+
+
+def _measure_grad_baseline():
+    """The counts of an incoming gradient that nothing but the engine and the call hold
+    (the fresh output of the next node's backward), checked against the same gradient
+    held by the caller, and against one that another node still has to read: None when
+    either cannot be told apart from the free one."""
+    x = torch.zeros(3, requires_grad=True)
+    with torch.enable_grad():
+        _GRAD_PROBE_SEEN.clear()
+        (_GradProbe.apply(x) * 2.0).sum().backward()
+        free = _GRAD_PROBE_SEEN[-1]
+        held = torch.ones(3)
+        _GradProbe.apply(x).backward(held)
+        caller = _GRAD_PROBE_SEEN[-1]
+        other = x * 3.0  # its node runs after the probe's: it still holds the shared gradient
+        ((_GradProbe.apply(x) + other) * 2.0).sum().backward()
+        shared = _GRAD_PROBE_SEEN[-1]
+    _GRAD_PROBE_SEEN.clear()
+    distinct = lambda seen: any(a > b for a, b in zip(seen, free))  # noqa: E731
+    return free if distinct(caller) and distinct(shared) else None
+
+
+def _grad_baseline(measure: bool = False):
+    """The measurement above, taken once, at a training forward (never inside a backward
+    pass, where the engine's nesting could change the counts)."""
+    if not _GRAD_BASELINE and measure:
+        try:
+            _GRAD_BASELINE.append(_measure_grad_baseline())
+        except Exception:  # an unusual interpreter or autograd build: never overwrite
+            _GRAD_BASELINE.append(None)
+    return _GRAD_BASELINE[0] if _GRAD_BASELINE else None
+
+
+def _grad_is_free(dy: Tensor, refs: int) -> bool:
+    """True when the gradient handed to a backward call can be overwritten: a plain,
+    non-view tensor that needs no grad, which nothing but the engine and this call
+    holds (``refs`` is its Python reference count taken at the first statement of the
+    backward). A gradient that the caller passed in (``y.backward(g)``,
+    ``autograd.grad(..., g)``), that a hook or ``retain_grad`` keeps, or that the engine
+    still owes another node (``a + b``: both sides get the same tensor) has more
+    holders than the baseline measured by :func:`_measure_grad_baseline`."""
+    base = _grad_baseline()
+    if base is None or type(dy) is not torch.Tensor or dy.requires_grad or dy._is_view():
+        return False
+    if weakref.getweakrefs(dy) or torch._C._functorch.is_functorch_wrapped_tensor(dy) or _compiling():
+        return False
+    return refs <= base[0] and dy._use_count() <= base[1] and _storage_users(dy) <= base[2]
+
+
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
@@ -712,6 +815,8 @@ class SyncBatchNormAct(_SyncNormBase):
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         inplace = _can_overwrite(self, input, refs)
+        if not again and torch.is_grad_enabled():
+            _grad_baseline(measure=True)  # once, here: never inside a backward pass
         if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param):
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
