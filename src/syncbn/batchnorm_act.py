@@ -65,15 +65,16 @@ The backward pass works in place too: the activation's gradient goes over the in
 gradient when that is a fresh tensor that only the autograd engine and this call hold
 (in a network, the input gradient of the next layer), so the pass allocates only the
 recovered pre-activation and the input gradient (the synchronized path builds the input
-gradient in the pre-activation's memory: one new tensor in all). The check compares the gradient's Python, TensorImpl and
-storage reference counts with those of such a fresh gradient, measured once at the
-first training forward together with two cases that must differ from it (the caller's
-own tensor, and a gradient the engine still owes another node, as ``a + b`` hands both
-sides the same tensor); if either cannot be told apart, the incoming gradient is never
-overwritten. A gradient passed in by the caller (``y.backward(g)``,
-``torch.autograd.grad(y, x, g)``), kept by a hook or by a node that has yet to run, a
-view, one that requires grad (double backward) and the channels that keep their inputs
-all get a buffer of their own.
+gradient in the pre-activation's memory: one new tensor in all). The check compares the
+gradient's Python, TensorImpl and storage reference counts with those of such a fresh
+gradient, measured once at the first training forward together with two cases that must
+differ from it (the caller's own tensor, and a gradient the engine still owes another
+node, as ``a + b`` hands both sides the same tensor); if either cannot be told apart,
+the incoming gradient is never overwritten. A gradient passed in by the caller
+(``y.backward(g)``, ``torch.autograd.grad(y, x, g)``), kept by a hook or owed to a node
+that has yet to run, a view, one that requires grad (double backward), and any gradient
+when some channels keep their inputs get a buffer of their own (``retain_grad`` keeps a
+copy, which is never touched).
 
 Activations: ``"identity"``, ``"leaky_relu"`` (``activation_param`` is the negative
 slope, which must be positive: slope 0 is ReLU, which loses the sign of every negative
@@ -100,6 +101,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import weakref
 
 import torch
@@ -710,14 +712,19 @@ def _measure_grad_baseline():
     return free if distinct(caller) and distinct(shared) else None
 
 
+_GRAD_BASELINE_LOCK = threading.Lock()  # data-parallel threads may run their first forwards at once
+
+
 def _grad_baseline(measure: bool = False):
     """The measurement above, taken once, at a training forward (never inside a backward
     pass, where the engine's nesting could change the counts)."""
     if not _GRAD_BASELINE and measure:
-        try:
-            _GRAD_BASELINE.append(_measure_grad_baseline())
-        except Exception:  # an unusual interpreter or autograd build: never overwrite
-            _GRAD_BASELINE.append(None)
+        with _GRAD_BASELINE_LOCK:
+            if not _GRAD_BASELINE:
+                try:
+                    _GRAD_BASELINE.append(_measure_grad_baseline())
+                except Exception:  # an unusual interpreter or autograd build: never overwrite
+                    _GRAD_BASELINE.append(None)
     return _GRAD_BASELINE[0] if _GRAD_BASELINE else None
 
 
@@ -726,9 +733,9 @@ def _grad_is_free(dy: Tensor, refs: int) -> bool:
     non-view tensor that needs no grad, which nothing but the engine and this call
     holds (``refs`` is its Python reference count taken at the first statement of the
     backward). A gradient that the caller passed in (``y.backward(g)``,
-    ``autograd.grad(..., g)``), that a hook or ``retain_grad`` keeps, or that the engine
-    still owes another node (``a + b``: both sides get the same tensor) has more
-    holders than the baseline measured by :func:`_measure_grad_baseline`."""
+    ``autograd.grad(..., g)``), that a hook keeps, or that the engine still owes
+    another node (``a + b``: both sides get the same tensor) has more holders than the
+    baseline measured by :func:`_measure_grad_baseline`."""
     base = _grad_baseline()
     if base is None or type(dy) is not torch.Tensor or dy.requires_grad or dy._is_view():
         return False
@@ -815,8 +822,9 @@ class SyncBatchNormAct(_SyncNormBase):
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         inplace = _can_overwrite(self, input, refs)
-        if not again and torch.is_grad_enabled():
-            _grad_baseline(measure=True)  # once, here: never inside a backward pass
+        if not again and torch.is_grad_enabled() and refs is not None and type(input) is torch.Tensor \
+                and not torch._C._functorch.is_functorch_wrapped_tensor(input):  # (refs: not compiling)
+            _grad_baseline(measure=True)  # once, here: never inside a backward pass or a transform
         if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param):
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
