@@ -179,16 +179,16 @@ def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype, overwr
     over its compute-dtype copy."""
     yc = y.to(cdtype)
     dyc = dy.to(cdtype)
-    into = {"grad_input": dyc} if overwrite_dy or dyc is not dy else None
+    in_place = overwrite_dy or dyc is not dy
     if activation == "leaky_relu":
         z = F.leaky_relu(yc, 1.0 / param)
-        if into:
-            dz = torch.ops.aten.leaky_relu_backward.grad_input(dyc, yc, param, True, **into)
+        if in_place:
+            dz = torch.ops.aten.leaky_relu_backward.grad_input(dyc, yc, param, True, grad_input=dyc)
         else:
             dz = torch.ops.aten.leaky_relu_backward(dyc, yc, param, True)
     elif activation == "elu":
-        if into:
-            dz = torch.ops.aten.elu_backward.grad_input(dyc, param, 1, 1, True, yc, **into)
+        if in_place:
+            dz = torch.ops.aten.elu_backward.grad_input(dyc, param, 1, 1, True, yc, grad_input=dyc)
         else:
             dz = torch.ops.aten.elu_backward(dyc, param, 1, 1, True, yc)
         # log1p(min(y, 0) / alpha) + max(y, 0): log1p(y / alpha) where y < 0, else y
@@ -340,11 +340,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
             sum_dy = torch.zeros(channels, dtype=cdtype, device=y.device)
             sum_dy_xhat = torch.zeros_like(sum_dy)
         else:
-            given = dy
-            dy = dy.contiguous(memory_format=stats.memory_format(y))
+            dy, free = _grad_in_layout(dy, y, refs)
             # the kept channels read dy again below: then dz gets its own buffer
-            free = keep_idx is None and (dy is not given or _grad_is_free(given, refs))
-            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype, overwrite_dy=free)
+            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype, overwrite_dy=free and keep_idx is None)
             sum_dy, sum_dy_xhat = stats.backward_sums_from_output(dz, z, gamma, beta)
             if keep_idx is not None:
                 # the kept channels, from their inputs: x-hat exactly, and the activation's
@@ -522,11 +520,10 @@ class _LocalBatchNormAct(torch.autograd.Function):
         b = torch.zeros_like(invstd) if bias is None else bias.detach()
         scale, reciprocal = w * w * invstd, w.reciprocal()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        given = dy
-        dy = dy.contiguous(memory_format=stats.memory_format(y))
+        dy, free = _grad_in_layout(dy, y, refs)
         if ctx.activation == "leaky_relu":
             z = F.leaky_relu(y, 1.0 / ctx.param)
-            if dy is not given or _grad_is_free(given, refs):  # dz over dy: one buffer fewer
+            if free:  # dz over dy: one buffer fewer
                 dz = torch.ops.aten.leaky_relu_backward.grad_input(dy, y, ctx.param, True, grad_input=dy)
             else:
                 dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
@@ -744,6 +741,13 @@ def _grad_is_free(dy: Tensor, refs: int) -> bool:
     return refs <= base[0] and dy._use_count() <= base[1] and _storage_users(dy) <= base[2]
 
 
+def _grad_in_layout(dy: Tensor, y: Tensor, refs: int):
+    """``(dy in y's memory format, whether it may be overwritten)``: a copy made here is
+    this call's own; the tensor as it came needs :func:`_grad_is_free`."""
+    laid_out = dy.contiguous(memory_format=stats.memory_format(y))
+    return laid_out, laid_out is not dy or _grad_is_free(dy, refs)
+
+
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
@@ -822,9 +826,9 @@ class SyncBatchNormAct(_SyncNormBase):
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         inplace = _can_overwrite(self, input, refs)
-        if not again and torch.is_grad_enabled() and refs is not None and type(input) is torch.Tensor \
-                and not torch._C._functorch.is_functorch_wrapped_tensor(input):  # (refs: not compiling)
-            _grad_baseline(measure=True)  # once, here: never inside a backward pass or a transform
+        if not _GRAD_BASELINE and not again and torch.is_grad_enabled() and refs is not None \
+                and type(input) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(input):
+            _grad_baseline(measure=True)  # once, here: never inside a backward pass, a transform or compile
         if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param):
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)

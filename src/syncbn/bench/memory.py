@@ -191,8 +191,11 @@ def _demo_models(spec: dict, group):
     try:
         from ..convert import fuse_batchnorm_act
 
-        models[name] = (lambda: fuse_batchnorm_act(converted(), process_group=group), None)
-        models[OUTPUT_ONLY] = (lambda: _output_only(fuse_batchnorm_act(converted(), process_group=group)), None)
+        def fused():
+            return fuse_batchnorm_act(converted(), process_group=group)
+
+        models[name] = (fused, None)
+        models[OUTPUT_ONLY] = (lambda: _output_only(fused()), None)
     except ImportError as exc:
         models[name] = (None, f"syncbn.fuse_batchnorm_act is not available: {exc}")
         models[OUTPUT_ONLY] = (None, models[name][1])
