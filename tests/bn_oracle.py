@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import syncbn
+from nan_safe import as_error
 from workers import group_of, in_group
 
 DTYPES = {
@@ -201,12 +202,17 @@ def oracle(case: Case, data=None, after=lambda y: y):
 
 
 def max_rel_err(actual, expected) -> float:
-    scale = max(float(expected.abs().max()), 1.0) if expected.numel() else 1.0
+    """Largest ``|actual - expected|`` relative to the largest reference value (at least
+    1); ``inf`` when either side holds a NaN or an infinity, so that a non-finite result
+    never passes a tolerance (see ``nan_safe``)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     if expected.numel() == 0:
         return 0.0
-    return float((actual - expected).abs().max()) / scale
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return float("inf")
+    scale = max(float(expected.abs().max()), 1.0)
+    return as_error(float((actual - expected).abs().max()) / scale)
 
 
 def check_case(case: Case, results, ref=None, label=None) -> dict:
@@ -217,14 +223,18 @@ def check_case(case: Case, results, ref=None, label=None) -> dict:
     tol = TOL[case.dtype]
     btol = max(BUFFER_TOL[case.dtype], TOL[case.param_dtype or case.dtype] / 4)
     worst = {"y": 0.0, "dx": 0.0, "dparam": 0.0, "buffers": 0.0, "eval": 0.0}
+
+    def note(key, err):  # NaN-safe: a non-finite error counts as inf (builtin max drops NaN)
+        worst[key] = max(worst[key], as_error(err))
+
     for r in ranks:
         assert r["formats_kept"], "memory format not preserved"
     for i, expect in enumerate(ref["steps"]):
         got = [r["steps"][i] for r in ranks]
         assert all(g["dtype_ok"] for g in got), "output dtype differs from the input dtype"
-        worst["y"] = max(worst["y"], max_rel_err(torch.cat([g["y"] for g in got]), expect["y"]))
+        note("y", max_rel_err(torch.cat([g["y"] for g in got]), expect["y"]))
         if case.input_grad:
-            worst["dx"] = max(worst["dx"], max_rel_err(torch.cat([g["dx"] for g in got]), expect["dx"]))
+            note("dx", max_rel_err(torch.cat([g["dx"] for g in got]), expect["dx"]))
         else:
             assert all(g["dx"] is None for g in got)
         for name in ("dweight", "dbias"):
@@ -232,16 +242,16 @@ def check_case(case: Case, results, ref=None, label=None) -> dict:
                 assert all(g[name] is None for g in got), f"{name} should be absent"
                 continue
             total = sum(g[name] for g in got)
-            worst["dparam"] = max(worst["dparam"], max_rel_err(total, expect[name]))
+            note("dparam", max_rel_err(total, expect[name]))
     pdtype = DTYPES[case.param_dtype or case.dtype]
     for name, value in ref["buffers"].items():
         for r in ranks:
-            worst["buffers"] = max(worst["buffers"], max_rel_err(r["buffers"][name], value))
+            note("buffers", max_rel_err(r["buffers"][name], value))
             assert torch.equal(r["buffers"][name], ranks[0]["buffers"][name]), f"{name} differs across ranks"
             if name != "num_batches_tracked" and "buffer_dtypes" in r:
                 assert r["buffer_dtypes"][name] == pdtype, "buffers must keep the module's dtype"
     for r, expect in zip(ranks, ref["eval"]):
-        worst["eval"] = max(worst["eval"], max_rel_err(r["eval"], expect))
+        note("eval", max_rel_err(r["eval"], expect))
     for key, err in worst.items():
         limit = btol if key == "buffers" else tol
         # an eval pass through half precision rounds its output like any other output

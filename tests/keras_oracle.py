@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from nan_safe import as_error
+
 EPS = 1e-3
 
 
@@ -134,4 +136,4 @@ def variance_relative_error(var, reference):
     """Largest relative error of a computed variance against a float64 reference."""
     var = np.asarray(var, np.float64)
     reference = np.asarray(reference, np.float64)
-    return float(np.max(np.abs(var - reference) / reference))
+    return as_error(np.max(np.abs(var - reference) / reference))  # NaN anywhere: inf

@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_harness import block_torch, run_checks
 import keras_oracle as oracle
+import nan_safe
 
 DEVICES = 4
 CHECKS = {}
@@ -125,17 +126,17 @@ def compare(got, ref, layer, keys=("y", "dx", "dgamma", "dbeta"), rtol=2e-5, ato
             for i, (ai, bi) in enumerate(zip(a, b)):
                 assert ai.shape == bi.shape, (key, i, ai.shape, bi.shape)
                 np.testing.assert_allclose(ai, bi, rtol=rtol, atol=atol, err_msg=f"{key}[{i}]")
-            errors[key] = max([float(np.max(np.abs(ai - bi), initial=0)) for ai, bi in zip(a, b)])
+            errors[key] = nan_safe.worst(nan_safe.max_abs_diff(ai, bi) for ai, bi in zip(a, b))
         else:
             np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=key)
-            errors[key] = float(np.max(np.abs(a - b)))
+            errors[key] = nan_safe.max_abs_diff(a, b)
     weights = named_weights(layer)
     for key, name in (("moving_mean", "moving_mean"), ("moving_var", "moving_variance"),
                       ("renorm_mean", "renorm_mean"), ("renorm_std", "renorm_stddev"),
                       ("moving_std", "moving_stddev")):
         if key in ref and name in weights:
             np.testing.assert_allclose(weights[name], ref[key], rtol=stats_rtol, atol=1e-6, err_msg=name)
-            errors[name] = float(np.max(np.abs(weights[name] - ref[key])))
+            errors[name] = nan_safe.max_abs_diff(weights[name], ref[key])
     return errors
 
 
@@ -182,7 +183,7 @@ def oracle_mirrored():
             ref = oracle_for(layer, xs, dys)
             got = train_step(strategy, layer, xs, dys)
             err = compare(got, ref, layer)
-            errors[f"R{replicas}_rank{rank}_axis{axis}"] = max(err.values())
+            errors[f"R{replicas}_rank{rank}_axis{axis}"] = nan_safe.worst(err.values())
     return {"max_abs_error": errors}
 
 
@@ -288,7 +289,7 @@ def one_replica_matches_keras():
             worst = {}
             for key, value in keras_out.items():
                 np.testing.assert_allclose(ours[key], value, rtol=1e-4, atol=1e-4, err_msg=f"{where} {kind} {key}")
-                worst[key] = float(np.max(np.abs(ours[key] - value)))
+                worst[key] = nan_safe.max_abs_diff(ours[key], value)
             diffs[f"{where}/{kind}"] = worst
             if kind != "renorm":  # and ours matches the float64 oracle at the usual tolerance
                 w = named_weights(layer)
@@ -519,8 +520,8 @@ def fit_matches_single_device():
     single = train(tf.distribute.get_strategy(), sync=False)
     synced = train(mirrored(2), sync=True)
     unsynced = train(mirrored(2), sync=False)
-    diff_synced = max(float(np.max(np.abs(a - b))) for a, b in zip(single, synced))
-    diff_unsynced = max(float(np.max(np.abs(a - b))) for a, b in zip(single, unsynced))
+    diff_synced = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(single, synced))
+    diff_unsynced = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(single, unsynced))
     assert diff_synced < 1e-4, diff_synced
     assert diff_unsynced > 100 * diff_synced, (diff_unsynced, diff_synced)
     return {"steps": 8, "max_weight_difference_syncbn": diff_synced,

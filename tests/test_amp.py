@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
+from nan_safe import as_error
 from workers import group_of, in_group
 
 WORLD, PER_RANK, STEPS = 2, 3, 3
@@ -90,7 +91,10 @@ def amp_job():
 
 
 def rel(actual, expected):
-    return float((actual - expected).abs().max() / expected.abs().max())
+    """Relative error; inf for a non-finite result (NaN-safe, see nan_safe)."""
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    return as_error((actual - expected).abs().max() / expected.abs().max())
 
 
 def test_autocast_bf16_trains_with_float32_statistics(pool):
