@@ -125,3 +125,90 @@ def test_single_process():
         syncbn.sync_groups(2)
     with pytest.raises(TypeError):
         syncbn.sync_groups(2.0)
+
+
+# ---- sizes that do not divide the world, and a world made anew (issue #20) -----------
+
+
+def not_a_divisor_job(size):
+    """Call sync_groups with a size that does not divide the world, with every way of
+    creating a group or communicating replaced by a recorder that refuses: our own
+    error must come first, before any collective."""
+    import torch.distributed as tdist
+
+    calls = []
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise RuntimeError(f"{name} called")
+
+        return call
+
+    names = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "barrier", "all_reduce",
+             "all_gather", "all_gather_object", "broadcast", "broadcast_object_list")
+    saved = {name: getattr(tdist, name) for name in names}
+    try:
+        for name in names:
+            setattr(tdist, name, refuse(name))
+        try:
+            syncbn.sync_groups(size)
+        except Exception as exc:  # noqa: BLE001 - report what came out
+            return type(exc).__name__, str(exc), calls
+        return None, None, calls
+    finally:
+        for name, fn in saved.items():
+            setattr(tdist, name, fn)
+
+
+@pytest.mark.parametrize("size", [3, 8])
+def test_size_that_does_not_divide_the_world_raises_our_error_before_any_collective(pool, size):
+    results = pool.run(not_a_divisor_job, size)
+    for kind, message, calls in results:
+        assert calls == []
+        assert kind == "ValueError"
+        assert f"the world size 4 is not a multiple of group_size {size}" in message
+    assert len(set(r[1] for r in results)) == 1
+    assert pool.run(dist.get_world_size) == [4] * 4
+
+
+def remade_world_job(port):
+    """sync_groups before and after the default group is destroyed and created again:
+    the second call must make groups of the new world, not hand back the old ones."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    first = syncbn.sync_groups(1)
+    first_ranks = tdist.get_process_group_ranks(first)
+    tdist.destroy_process_group()
+    tdist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    second = syncbn.sync_groups(1)
+    again = syncbn.sync_groups(1)
+    # the new group works: a synchronized layer trains on it (its own batch only)
+    bn = syncbn.SyncBatchNorm(2, process_group=second).double()
+    x = torch.arange(8.0, dtype=torch.float64).view(4, 2) * (rank + 1)
+    y = bn(x)
+    expected = F.batch_norm(x, None, None, training=True)
+    return {
+        "first_ranks": first_ranks,
+        "second_ranks": tdist.get_process_group_ranks(second),
+        "new_group": second is not first,
+        "cached_again": again is second,
+        "output_ok": bool(torch.allclose(y, expected, rtol=1e-12, atol=1e-12)),
+    }
+
+
+def test_sync_groups_after_the_default_group_is_made_anew():
+    """A pool of its own: the job destroys and re-creates the default group."""
+    from syncbn.launch import WorkerPool, free_port
+
+    with WorkerPool(2, backend="gloo", timeout=60) as own:
+        results = own.run(remade_world_job, free_port())
+    for rank, r in enumerate(results):
+        assert r["first_ranks"] == [rank] and r["second_ranks"] == [rank]
+        assert r["new_group"] and r["cached_again"] and r["output_ok"], r
