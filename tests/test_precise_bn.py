@@ -183,3 +183,78 @@ def test_eval_model_recomputes_every_layer_and_stays_in_eval():
         syncbn.precise_bn(model, [], progress=False)
     with pytest.raises(ValueError, match="num_batches"):
         syncbn.precise_bn(model, batches, num_batches=0)
+
+
+# ---- layers that saw at most one value per channel (issue #20, item 7) ---------------
+
+
+class Branchy(nn.Module):
+    """``used`` sees every batch; ``unused`` is never called; ``single`` is called once,
+    with one row on rank 0 and none elsewhere (so one value per channel in all:
+    training batch norm raises, and the forward carries on without it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.BatchNorm1d(3)
+        self.unused = nn.BatchNorm1d(3)
+        self.single = nn.BatchNorm1d(3)
+        self.fed = False
+
+    def forward(self, x):
+        if not self.fed:
+            self.fed = True
+            rows = 1 if (not dist.is_initialized() or dist.get_rank() == 0) else 0
+            try:
+                self.single(x[:rows])
+            except ValueError:  # "more than 1 value per channel", on every rank alike
+                pass
+        return self.used(x)
+
+
+def starved_layers_run(convert: bool):
+    torch.manual_seed(0)
+    model = Branchy().double()
+    if convert:
+        model = syncbn.convert_sync_batchnorm(model)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.fill_(3.0)
+            m.running_var.fill_(7.0)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator().manual_seed(40 + rank)
+    batches = [torch.randn(4, 3, generator=gen, dtype=torch.float64) * 2 + 1 for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        used = syncbn.precise_bn(model, batches, num_batches=3, progress=False)
+    messages = [str(w.message) for w in caught if "at most one value per channel" in str(w.message)]
+    buffers = {name: (m.running_mean.clone(), m.running_var.clone()) for name, m in model.named_children()}
+    return {"used": used, "messages": messages, "buffers": buffers}
+
+
+def check_starved(result):
+    assert result["used"] == 3
+    assert len(result["messages"]) == 1, result["messages"]
+    listed = sorted(name.strip() for name in result["messages"][0].split(":")[-1].split(","))
+    assert listed == ["single", "unused"], result["messages"]
+    for name in ("unused", "single"):
+        mean, var = result["buffers"][name]
+        assert torch.isfinite(mean).all() and torch.isfinite(var).all(), name
+        assert torch.equal(mean, torch.full((3,), 3.0, dtype=torch.float64)), name
+        assert torch.equal(var, torch.full((3,), 7.0, dtype=torch.float64)), name
+    mean, var = result["buffers"]["used"]  # the layer that saw data got its statistics
+    assert torch.isfinite(var).all() and not torch.equal(mean, torch.full((3,), 3.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("convert", [False, True])
+def test_layers_that_saw_at_most_one_value_warn_and_keep_their_buffers(convert):
+    check_starved(starved_layers_run(convert))
+
+
+def test_layers_that_saw_at_most_one_value_across_ranks(pool):
+    """One value on rank 0, none on the others: the pooled count is 1 on every rank."""
+    results = pool.run(starved_layers_run, True)
+    for r in results:
+        check_starved(r)
+    for name in ("used", "unused", "single"):
+        for r in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(r["buffers"][name], results[0]["buffers"][name]))
