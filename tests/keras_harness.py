@@ -60,6 +60,19 @@ def run_checks(checks, names, out_path):
     return results
 
 
+def worker_main(checks, setup=block_torch):
+    """A worker script's entry point: ``--out R.json --checks NAME...`` (default all),
+    ``setup()`` first, then :func:`run_checks`."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", nargs="+", default=list(checks))
+    args = parser.parse_args()
+    setup()
+    return run_checks(checks, args.checks, args.out)
+
+
 # --------------------------------------------------------------------------- pytest side
 
 

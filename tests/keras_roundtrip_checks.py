@@ -9,11 +9,9 @@ Run by ``test_keras_roundtrip.py`` once per backend (torch blocked):
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
-from keras_harness import block_torch, run_checks
+from keras_harness import worker_main
 import nan_safe
 
 CHECKS = {}
@@ -188,14 +186,5 @@ def convert_keeps_every_config_field_and_weight():
     return info
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
-    args = parser.parse_args()
-    block_torch()
-    run_checks(CHECKS, args.checks, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(CHECKS)
