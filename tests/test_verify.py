@@ -76,3 +76,33 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit):
         verify.main(["verify_models:twice", "--input-shape", "2"])
     assert "no attribute" in capsys.readouterr().err
+
+
+def _verdict(ours, reference):
+    """``verify.compare``'s verdict for one layer output, one buffer and one parameter,
+    where both ranks report ``ours`` and the one-process reference is ``reference``."""
+    spec = verify.VerifySpec(target="m:f", input_shape=(2, 3), world_size=2, tolerance=1e-6)
+    half = ours.shape[0] // 2
+
+    def rank(part):
+        return {"outputs": {"bn": [[part]]}, "buffers": {"bn.running_var": ours[0]}, "params": {"w": ours[0]}}
+
+    ranks = [rank(ours[:half]), rank(ours[half:])]
+    ref = {"outputs": {"bn": [[reference]]}, "buffers": {"bn.running_var": reference[0]}, "params": {"w": reference[0]}}
+    return verify.compare(spec, ranks, ref)[2]
+
+
+@pytest.mark.parametrize("side", ["ours", "reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_compare_fails_on_non_finite_values_on_either_side(side, bad):
+    """NaN or inf in the run or in the reference is a FAIL, never a small difference."""
+    import torch
+
+    good = torch.linspace(-1.0, 2.0, 8, dtype=torch.float64).view(4, 2)
+    assert _verdict(good, good.clone())
+    spoiled = good.clone()
+    spoiled[1, 1] = bad  # in the layer output only
+    ours, reference = (spoiled, good) if side == "ours" else (good, spoiled)
+    assert not _verdict(ours, reference)
+    spoiled[0, 0] = bad  # and in the buffer and the parameter (row 0)
+    assert not _verdict(ours, reference)

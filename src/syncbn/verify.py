@@ -339,12 +339,13 @@ def _rel(actual, expected) -> float:
     if expected.numel() == 0:
         return 0.0
     a, b = actual.double(), expected.double()
+    # a NaN or inf on either side is a failure (a NaN figure would vanish in max())
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
     scale = float(b.abs().max())
     diff = float((a - b).abs().max())
     if scale == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
-    if not torch.isfinite(a).all():
-        return float("inf")
     return diff / scale
 
 
