@@ -375,6 +375,282 @@ def collective_counts():
     return info
 
 
+# ----------------------------------------------------------------------------- numerics
+
+
+def pmap_variance(model, parts):
+    """The variance a model's pmap-ed training call merges from per-device ``parts``."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.asarray(np.stack(parts))
+    variables = model.init(jax.random.PRNGKey(0), x[0])
+    fn = jax.pmap(lambda x: model.apply(variables, x, mutable=["batch_stats"])[1]["batch_stats"]["var"],
+                  axis_name=AXIS)
+    return np.asarray(fn(x))[0].astype(np.float64)
+
+
+@check
+def variance_far_from_zero():
+    """Variance relative error at |mean|/std = 1, 1e2, 1e3, 1e4 (float32, 4 devices,
+    every device with its own data): syncbn.flax <= 1e-5 up to 1e3 and <= 1e-4 at 1e4;
+    Flax's two variance modes reported beside it."""
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(11)
+    models = {"syncbn.flax": BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0),
+              "flax fast": nn.BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0),
+              "flax two-pass": nn.BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0,
+                                            use_fast_variance=False)}
+    table = {name: {} for name in models}
+    for ratio in (1.0, 1e2, 1e3, 1e4):
+        parts = [(ratio + rng.standard_normal((64, 8))).astype(np.float32) for _ in range(DEVICES)]
+        whole = np.concatenate(parts).astype(np.float64)
+        ref = whole.var(axis=0)
+        for name, model in models.items():
+            var = pmap_variance(model, parts)
+            table[name][f"{ratio:g}"] = float(np.max(np.abs(var - ref) / ref))
+    ours = table["syncbn.flax"]
+    assert all(np.isfinite(v) for v in ours.values()), ours
+    assert max(ours["1"], ours["100"], ours["1000"]) <= 1e-5, ours
+    assert ours["10000"] <= 1e-4, ours
+    return table
+
+
+@check
+def masked_uneven_counts_vs_flax():
+    """Two devices with 60 and 6 valid elements, then the same plus two fully masked
+    devices (4 in all): syncbn.flax's mean, variance and input gradient equal the
+    union's; Flax's are reported (it averages per-device means; a fully masked device
+    makes its statistics NaN)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(5)
+    info = {}
+    for devices in (2, DEVICES):
+        x = (rng.standard_normal((devices, 60, 1)) * 1.5).astype(np.float32)
+        x[1] += 2.0
+        mask = np.zeros((devices, 60, 1), bool)
+        mask[0, :60] = True
+        mask[1, :6] = True
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        valid = np.concatenate([x[0], x[1, :6]]).astype(np.float64)
+        row = {"union mean": float(valid.mean()), "union var": float(valid.var())}
+        ref_case = dict(x=x, mask=mask, dy=dy, axis=-1,
+                        params={"scale": np.ones(1, np.float32), "bias": np.zeros(1, np.float32)},
+                        stats={"mean": np.zeros(1, np.float32), "var": np.ones(1, np.float32)})
+        ref = oracle(ref_case, np.zeros(1), np.zeros(1))
+        for name, model in (("syncbn.flax", BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0)),
+                            ("flax", nn.BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0))):
+            variables = model.init(jax.random.PRNGKey(0), x[0])
+
+            def replica(x, mask):
+                y, upd = model.apply(variables, x, mask=mask, mutable=["batch_stats"])
+                return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+            step = jax.pmap(replica, axis_name=AXIS, devices=jax.devices()[:devices])
+            (y, mean, var), pullback = jax.vjp(lambda x: step(x, jnp.asarray(mask)), jnp.asarray(x))
+            dx, = pullback((jnp.asarray(dy), jnp.zeros_like(mean), jnp.zeros_like(var)))
+            dx = concat(np.asarray(dx, np.float64))
+            with np.errstate(invalid="ignore"):
+                rel = float(np.max(np.abs(dx - ref["dx"])) / np.max(np.abs(ref["dx"])))
+            row[name] = {"mean": float(np.asarray(mean)[0, 0]), "var": float(np.asarray(var)[0, 0]),
+                         "dx relative error": rel}
+        ours = row["syncbn.flax"]
+        assert abs(ours["mean"] - row["union mean"]) <= 1e-5 * (1 + abs(row["union mean"])), row
+        assert abs(ours["var"] - row["union var"]) <= 1e-5 * row["union var"], row
+        assert ours["dx relative error"] <= 1e-5, row
+        info[f"{devices} devices" + (" (2 fully masked)" if devices > 2 else "")] = row
+    return info
+
+
+# ----------------------------------------------------------------------------- degenerate
+
+
+@check
+def tiny_batches_follow_flax():
+    """N = 1 (one valid element over all devices): variance 0, output = bias, finite
+    gradients, as Flax gives on a single device; N = 0 (everything masked): NaN
+    statistics, as Flax (the mean of nothing); a fully masked device beside others is
+    finite."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    x = jnp.asarray(np.arange(DEVICES * 2 * 3, dtype=np.float32).reshape(DEVICES, 2, 3) + 5)
+    model = BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0,
+                      bias_init=jax.nn.initializers.constant(0.25))
+    variables = model.init(jax.random.PRNGKey(0), x[0])
+
+    def run(mask):
+        def replica(x, mask):
+            y, upd = model.apply(variables, x, mask=mask, mutable=["batch_stats"])
+            return y, upd["batch_stats"]["var"]
+
+        step = jax.pmap(replica, axis_name=AXIS)
+        (y, var), pullback = jax.vjp(lambda x: step(x, mask), x)
+        dx, = pullback((jnp.ones_like(y), jnp.zeros_like(var)))
+        return np.asarray(y), np.asarray(var), np.asarray(dx)
+
+    one = np.zeros((DEVICES, 2, 1), bool)
+    one[2, 1] = True
+    y, var, dx = run(jnp.asarray(one))
+    assert np.all(var == 0) and np.all(np.isfinite(dx)), (var, dx)
+    assert np.all(y[2, 1] == 0.25), y
+    flax_y = nn.BatchNorm(use_running_average=False, bias_init=jax.nn.initializers.constant(0.25)).apply(
+        variables, x[2, 1:2], mutable=["batch_stats"])[0]
+    assert np.array_equal(np.asarray(flax_y), y[2, 1:2]), (flax_y, y[2, 1:2])
+    info = {"N=1 var": var[0].tolist(), "N=1 y": y[2, 1].tolist()}
+    y, var, dx = run(jnp.zeros((DEVICES, 2, 1), bool))
+    assert np.all(np.isnan(var)) and np.all(np.isnan(y)), (var, y)
+    return info
+
+
+# ----------------------------------------------------------------------------- drop-in
+
+
+@check
+def linen_drop_in_single_device():
+    """Without axis_name on one device: the same variables (collections, names, shapes,
+    dtypes) as flax.linen.BatchNorm, outputs and updated statistics equal to Flax's
+    two-pass mode within float32 rounding, identical in eval mode, channels at -1, 1
+    and a tuple of feature axes; bfloat16 input gives float32 statistics."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(2)
+    info = {}
+    for axis, shape in ((-1, (6, 5, 4)), (1, (6, 4, 5)), ((1, 2), (6, 3, 4))):
+        x = jnp.asarray(rng.standard_normal(shape) * 3 + 2, jnp.float32)
+        kw = dict(axis=axis, momentum=0.8)
+        ours, theirs = BatchNorm(**kw), nn.BatchNorm(use_fast_variance=False, **kw)
+        v_ours = ours.init(jax.random.PRNGKey(0), x, use_running_average=False)
+        v_theirs = theirs.init(jax.random.PRNGKey(0), x, use_running_average=False)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), v_ours) == jax.tree.map(lambda a: (a.shape, a.dtype), v_theirs)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), v_ours, v_theirs))
+        y1, u1 = ours.apply(v_theirs, x, use_running_average=False, mutable=["batch_stats"])
+        y2, u2 = theirs.apply(v_theirs, x, use_running_average=False, mutable=["batch_stats"])
+        info[f"axis {axis} y"] = assert_close("y", y1, y2, 2e-6)
+        for k in ("mean", "var"):
+            assert_close(k, u1["batch_stats"][k], u2["batch_stats"][k], 2e-6)
+        e1 = ours.apply({**v_theirs, **u1}, x, use_running_average=True)
+        e2 = theirs.apply({**v_theirs, **u1}, x, use_running_average=True)
+        assert np.array_equal(np.asarray(e1), np.asarray(e2))
+    xb = jnp.asarray(rng.standard_normal((8, 3)) + 1, jnp.bfloat16)
+    y, upd = BatchNorm().apply(BatchNorm().init(jax.random.PRNGKey(0), xb, use_running_average=False), xb,
+                               use_running_average=False, mutable=["batch_stats"])
+    assert upd["batch_stats"]["var"].dtype == jnp.float32 and y.dtype == jnp.float32, (y.dtype, upd)
+    yb = BatchNorm(dtype=jnp.bfloat16).apply(BatchNorm().init(jax.random.PRNGKey(0), xb, use_running_average=False), xb,
+                                             use_running_average=False, mutable=["batch_stats"])[0]
+    assert yb.dtype == jnp.bfloat16
+    return info
+
+
+@check
+def linen_convert_context():
+    """A model written with flax.linen.BatchNorm (no axis_name), run inside
+    syncbn.flax.convert(axis_name=...) under pmap, equals the same model written with
+    syncbn.flax.BatchNorm(axis_name=...); outside the context it is Flax's again."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    class Net(nn.Module):
+        bn: type = nn.BatchNorm
+        axis_name: str = None
+
+        @nn.compact
+        def __call__(self, x, train):
+            x = nn.Dense(4)(x)
+            x = self.bn(use_running_average=not train, axis_name=self.axis_name)(x)
+            return self.bn(use_running_average=not train, axis_name=self.axis_name)(nn.relu(x))
+
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((DEVICES, 5, 3)) + np.arange(DEVICES)[:, None, None] * 2, jnp.float32)
+    plain, synced = Net(), Net(bn=sf.BatchNorm, axis_name=AXIS)
+    variables = plain.init(jax.random.PRNGKey(1), x[0], True)
+    assert jax.tree.structure(variables) == jax.tree.structure(synced.init(jax.random.PRNGKey(1), x[0], True))
+
+    def run(model):
+        return jax.pmap(lambda x: model.apply(variables, x, True, mutable=["batch_stats"]), axis_name=AXIS)(x)
+
+    want = run(synced)
+    with sf.convert(axis_name=AXIS):
+        got = run(plain)
+    outside = run(plain)
+    same = jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=1e-6)), got, want))
+    assert same, (got, want)
+    differs = not np.allclose(np.asarray(outside[0]), np.asarray(want[0]), atol=1e-3)
+    assert differs, "outside the context the layers must be Flax's (per-device statistics)"
+    return {}
+
+
+@check
+def nnx_drop_in_and_convert():
+    """syncbn.flax.nnx.BatchNorm has flax.nnx.BatchNorm's state; under nnx.jit with a
+    sharded batch (with and without mask) it equals the oracle; convert() swaps every
+    nnx.BatchNorm of a model in place sharing its Variables, revert() undoes it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import syncbn.flax.nnx as snnx
+
+    ours = snnx.BatchNorm(4, momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+    theirs = nnx.BatchNorm(4, momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+    shapes = lambda m: jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(m))
+    assert shapes(ours) == shapes(theirs)
+    info = {}
+    mesh = mesh_1d()
+    for masked in (False, True):
+        case = make_case(21 + masked, "channels_last", "float32", masked)
+        for name, value in list(case["params"].items()) + list(case["stats"].items()):
+            getattr(ours, name)[...] = jnp.asarray(value)
+        x = jax.device_put(jnp.asarray(concat(case["x"])), NamedSharding(mesh, P(AXIS)))
+        mask = None if case["mask"] is None else jax.device_put(jnp.asarray(concat(case["mask"])),
+                                                                NamedSharding(mesh, P(AXIS)))
+        dy = jnp.asarray(concat(case["dy"]))
+        layer = nnx.clone(ours)
+
+        @nnx.jit
+        def step(layer, x, mask, dy):
+            def loss(layer, x):
+                return jnp.sum(layer(x, mask=mask) * dy)
+
+            return nnx.grad(loss, argnums=(0, 1))(layer, x)
+
+        grads, dx = step(layer, x, mask, dy)
+        ref = oracle(case, np.zeros(4), np.zeros(4))
+        info[f"jit masked={masked} dx"] = assert_close("nnx dx", dx, ref["dx"], TOL["float32"])
+        assert_close("nnx dscale", grads["scale"][...], ref["dscale"], TOL["float32"])
+        assert_close("nnx mean", layer.mean[...], ref["mean"], TOL["float32"])
+        assert_close("nnx var", layer.var[...], ref["var"], TOL["float32"])
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.blocks = nnx.List([nnx.BatchNorm(4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)])
+
+    net = Net(nnx.Rngs(0))
+    scale = net.blocks[0].scale
+    snnx.convert(net, axis_name=AXIS)
+    assert type(net.bn) is snnx.BatchNorm and type(net.blocks[0]) is snnx.BatchNorm, net
+    assert net.blocks[0].scale is scale and net.bn.axis_name == AXIS
+    snnx.revert(net)
+    assert type(net.bn) is nnx.BatchNorm and type(net.blocks[0]) is nnx.BatchNorm
+    assert net.blocks[0].scale is scale
+    return info
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
