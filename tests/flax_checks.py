@@ -651,6 +651,102 @@ def nnx_drop_in_and_convert():
     return info
 
 
+# ----------------------------------------------------------------------------- Flax's own contract
+
+
+@check
+def flax_batch_norm_contract():
+    """What Flax's own tests ask of its BatchNorm, for ours (our words and data): with
+    and without a mask whose excluded elements are NaN, the kept outputs have mean 0 and
+    variance 1 per channel and the running statistics move by (1 - momentum) toward the
+    masked batch's mean and biased variance; a layer with axis_name initializes outside
+    pmap and two calls of one layer at init agree; use_running_average must come from
+    the constructor or the call; complex inputs are a clear error (not supported)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(31)
+    info = {}
+    for masked in (False, True):
+        x = (rng.standard_normal((5, 4, 3)) * 2 + 1).astype(np.float32)
+        m = None
+        if masked:
+            m = rng.random((5, 4, 1)) < 0.6
+            m[0, 0] = m[1, 1] = True
+            x = np.where(m, x, np.nan).astype(np.float32)
+        model = BatchNorm(momentum=0.8, use_running_average=False)
+        y, variables = model.init_with_output(jax.random.PRNGKey(0), jnp.asarray(x), mask=m)
+        y = np.asarray(y, np.float64)
+        keep = np.ones(x.shape, bool) if m is None else np.broadcast_to(m, x.shape)
+        for c in range(3):
+            kept = y[..., c][keep[..., c]]
+            info[f"mask={masked} c{c} mean"] = assert_close("kept mean", kept.mean(), 0.0, 1e-5)
+            assert_close("kept var", kept.var(), 1.0 - 1e-5 / (x[..., c][keep[..., c]].var() + 1e-5), 1e-5)
+        _, upd = model.apply(variables, jnp.asarray(x), mask=m, mutable=["batch_stats"])
+        xs = x.astype(np.float64)
+        ref_mean = np.array([xs[..., c][keep[..., c]].mean() for c in range(3)])
+        ref_var = np.array([xs[..., c][keep[..., c]].var() for c in range(3)])
+        assert_close("ema mean", upd["batch_stats"]["mean"], 0.2 * ref_mean, 1e-6)
+        assert_close("ema var", upd["batch_stats"]["var"], 0.8 + 0.2 * ref_var, 1e-6)
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            norm = BatchNorm(name="norm", use_running_average=False, axis_name="batch")
+            first = norm(x)
+            return first, norm(first)
+
+    (y1, y2), _ = Twice().init_with_output(jax.random.PRNGKey(0), jnp.asarray(rng.standard_normal((6, 4)), jnp.float32))
+    assert_close("twice", y2, y1, 1e-5)
+
+    x = jnp.ones((4, 3))
+    try:
+        BatchNorm().init(jax.random.PRNGKey(0), x)
+    except ValueError as err:
+        assert "use_running_average" in str(err), err
+    else:
+        raise AssertionError("use_running_average given nowhere did not raise")
+    try:
+        BatchNorm(use_running_average=False).init(jax.random.PRNGKey(0), x.astype(jnp.complex64))
+    except TypeError as err:
+        assert "real floating" in str(err), err
+    else:
+        raise AssertionError("a complex input did not raise")
+    return info
+
+
+@check
+def nnx_matches_flax_nnx():
+    """Without axis_name, syncbn.flax.nnx.BatchNorm gives flax.nnx.BatchNorm's outputs
+    (two-pass mode) and running statistics within float32 rounding, with and without
+    scale/bias, for float32 and bfloat16 inputs and dtype=bfloat16, in train and eval;
+    the same Variables types (Param, BatchStat)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    import syncbn.flax.nnx as snnx
+
+    rng = np.random.default_rng(41)
+    info = {}
+    for use_scale, use_bias, in_dtype, dtype in ((True, True, "float32", None), (False, True, "float32", None),
+                                                 (True, False, "bfloat16", None), (True, True, "bfloat16", "bfloat16")):
+        kw = dict(use_scale=use_scale, use_bias=use_bias, momentum=0.7, dtype=dtype)
+        ours = snnx.BatchNorm(3, rngs=nnx.Rngs(0), **kw)
+        theirs = nnx.BatchNorm(3, use_fast_variance=False, rngs=nnx.Rngs(0), **kw)
+        kinds = lambda m: {k: type(v).__name__ for k, v in vars(m).items() if isinstance(v, nnx.Variable)}
+        assert kinds(ours) == kinds(theirs), (kinds(ours), kinds(theirs))
+        x = jnp.asarray(rng.standard_normal((6, 5, 3)) * 2 + 3, in_dtype)
+        y1, y2 = ours(x), theirs(x)
+        assert y1.dtype == y2.dtype, (y1.dtype, y2.dtype)
+        tol = 2e-5 if y1.dtype == jnp.float32 else 1e-2
+        info[f"{use_scale}/{use_bias}/{in_dtype}/{dtype}"] = assert_close("nnx y", y1, y2, tol)
+        assert_close("nnx mean", ours.mean[...], theirs.mean[...], 2e-6)
+        assert_close("nnx var", ours.var[...], theirs.var[...], 2e-6)
+        assert_close("nnx eval", ours(x, use_running_average=True), theirs(x, use_running_average=True), tol)
+    return info
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
