@@ -370,8 +370,9 @@ def collective_counts():
         if train:
             assert info[f"shard_map {key} forward+backward"] == 2, info
         model_jit = BatchNorm(use_running_average=not train)
-        _, hlo = global_step(model_jit, case, mesh_1d(), P(AXIS), False)
-        info[f"jit-sharded {key} forward+backward (XLA)"] = count_all_reduces(hlo)
+        for masked, c in (("masked", case), ("unmasked", dict(case, mask=None))):
+            _, hlo = global_step(model_jit, c, mesh_1d(), P(AXIS), False)
+            info[f"jit-sharded {key} {masked} forward+backward (XLA)"] = count_all_reduces(hlo)
     return info
 
 
