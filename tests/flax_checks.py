@@ -597,7 +597,8 @@ def linen_convert_context():
 @check
 def nnx_drop_in_and_convert():
     """syncbn.flax.nnx.BatchNorm has flax.nnx.BatchNorm's state; under nnx.jit with a
-    sharded batch (with and without mask) it equals the oracle; convert() swaps every
+    sharded batch (with and without mask) and under shard_map with axis_name it equals the
+    oracle; convert() swaps every
     nnx.BatchNorm of a model in place sharing its Variables, revert() undoes it."""
     import jax
     import jax.numpy as jnp
@@ -634,6 +635,34 @@ def nnx_drop_in_and_convert():
         assert_close("nnx dscale", grads["scale"][...], ref["dscale"], TOL["float32"])
         assert_close("nnx mean", layer.mean[...], ref["mean"], TOL["float32"])
         assert_close("nnx var", layer.var[...], ref["var"], TOL["float32"])
+
+    # under shard_map with axis_name: split the layer, merge it inside, return its new state
+    case = make_case(23, "channels_first", "float32", True)
+    layer = snnx.BatchNorm(4, axis=1, momentum=MOMENTUM, epsilon=EPS, axis_name=AXIS, rngs=nnx.Rngs(0))
+    for name, value in list(case["params"].items()) + list(case["stats"].items()):
+        getattr(layer, name)[...] = jnp.asarray(value)
+    graphdef, params, stats = nnx.split(layer, nnx.Param, nnx.BatchStat)
+    put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+    params, stats = (jax.tree.map(lambda a: put(a, P()), t) for t in (params, stats))
+
+    def body(x, params, stats, mask):
+        model = nnx.merge(graphdef, params, stats)
+        y = model(x, mask=mask)
+        return y, nnx.state(model, nnx.BatchStat)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(AXIS)), out_specs=(P(AXIS), P()))
+    x, mask, dy = (put(concat(case[k]), P(AXIS)) for k in ("x", "mask", "dy"))
+
+    @jax.jit
+    def run(x, params):
+        (y, new_stats), pullback = jax.vjp(lambda x, p: fn(x, p, stats, mask), x, params)
+        return new_stats, pullback((dy, jax.tree.map(jnp.zeros_like, new_stats)))
+
+    new_stats, (dx, dparams) = run(x, params)
+    ref = oracle(case, np.zeros(4), np.zeros(4))
+    info["shard_map dx"] = assert_close("nnx shard_map dx", dx, ref["dx"], TOL["float32"])
+    assert_close("nnx shard_map dscale", dparams["scale"][...], ref["dscale"], TOL["float32"])
+    assert_close("nnx shard_map var", new_stats["var"][...], ref["var"], TOL["float32"])
 
     class Net(nnx.Module):
         def __init__(self, rngs):
