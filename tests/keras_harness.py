@@ -157,6 +157,13 @@ def run_suite(script, checks, env, timeout, extra_args=()):
     return results, output
 
 
+def run_host_device_suite(script, checks, devices, timeout):
+    """Run ``script``'s checks in one JAX worker process with ``devices`` host CPU devices
+    (XLA fixes that count when JAX starts, so it cannot be this pytest process)."""
+    env = worker_env("jax", JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return run_suite(script, checks, env, timeout)
+
+
 def assert_check(results, output, name):
     """Fail with the worker's traceback (or its output, if it died) for check ``name``."""
     result = results.get(name)

@@ -17,9 +17,7 @@ TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def results():
-    env = harness.worker_env(
-        "jax", JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
-    return harness.run_suite("keras_jax_checks.py", list(CHECKS), env, TIMEOUT)
+    return harness.run_host_device_suite("keras_jax_checks.py", list(CHECKS), DEVICES, TIMEOUT)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

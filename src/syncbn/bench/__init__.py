@@ -33,9 +33,10 @@ DESCRIPTION = """\
 Per-layer forward + backward time over a grid of shapes for torch.nn.BatchNorm2d,
 syncbn.SyncBatchNorm (no process group, and W gloo processes), torch.nn.SyncBatchNorm,
 Keras BatchNormalization(synchronized=True) and syncbn.keras.SyncBatchNormalization
-under MirroredStrategy on W logical CPUs, and Flax BatchNorm under pmap on W host
-devices, each in its own process(es) with the same threads per replica; the
-collectives and bytes of one layer call counted at the process group; the bytes saved
+under MirroredStrategy on W logical CPUs, and Flax BatchNorm (both variance modes) and
+syncbn.flax.BatchNorm under pmap on W host devices, each in its own process(es) with the
+same threads per replica; the collectives and bytes of one layer call counted at the
+process group; the bytes saved
 for backward and the peak memory of a demo-network step; the error of the merged
 variance far from zero. Writes report.json, report.md and PNG plots to --out and
 prints a summary with pass/fail lines for the targets.

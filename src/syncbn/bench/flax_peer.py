@@ -1,5 +1,6 @@
-"""The Flax peer: ``flax.linen.BatchNorm(axis_name=...)`` under ``jax.pmap`` on W host
-devices, in a process of its own for each W.
+"""The Flax peer: ``flax.linen.BatchNorm(axis_name=...)`` (both variance modes) and
+``syncbn.flax.BatchNorm(axis_name=...)`` under ``jax.pmap`` on W host devices, in a
+process of its own for each W, timed interleaved in that process.
 
     python -m syncbn.bench.flax_peer --world W --plan PLAN.json --out RESULT.json
 
@@ -9,8 +10,8 @@ the process pinned to ``min(W x T, cores)`` cores (JAX has no documented thread-
 setting). A step is one ``pmap``-ed forward + backward (``jax.vjp``: input, scale and
 bias gradients for a given dy, with the batch statistics update), every replica
 holding the plan's per-replica batch, each step waited for (``block_until_ready``). Numerics: the
-variance Flax merges across the W devices, by default (``use_fast_variance=True``,
-one-pass) and with ``use_fast_variance=False``.
+variance each merges across the W devices: Flax by default (``use_fast_variance=True``,
+one-pass), Flax with ``use_fast_variance=False``, and syncbn.flax.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ from .peers import limit_cpus
 from .timing import measure_interleaved
 
 AXIS = "replicas"
+# implementation key -> (use_fast_variance for Flax's module, or None for syncbn.flax)
+IMPLS = {"flax": True, "flax_two_pass": False, "syncbn_flax": None}
+
+
+def make_model(impl: str, **fields):
+    """The module an implementation key names, with the given dataclass fields."""
+    import flax.linen as nn
+
+    if IMPLS[impl] is None:
+        import syncbn.flax
+
+        return syncbn.flax.BatchNorm(**fields)
+    return nn.BatchNorm(use_fast_variance=IMPLS[impl], **fields)
 
 
 def setup(world: int, threads: int):
@@ -48,9 +62,7 @@ def stack_on_devices(jax, devices, arrays):
     return jax.pmap(lambda a: a, devices=devices)(np.stack(arrays))
 
 
-def time_point(jax, devices, point, world, plan, seed):
-    import flax.linen as nn
-
+def time_point(jax, devices, point, world, plan, seed, impls):
     rng = np.random.default_rng(seed)
     shape = (point["N"], point["C"], point["H"], point["W"])
     axis = 1
@@ -58,7 +70,13 @@ def time_point(jax, devices, point, world, plan, seed):
         shape, axis = (point["N"], point["H"], point["W"], point["C"]), -1
     x = stack_on_devices(jax, devices, [(rng.standard_normal(shape) + 0.5).astype(np.float32) for _ in range(world)])
     dy = stack_on_devices(jax, devices, [rng.standard_normal(shape).astype(np.float32) for _ in range(world)])
-    model = nn.BatchNorm(use_running_average=False, axis=axis, axis_name=AXIS)
+    runs = {impl: (step_runner(jax, devices, make_model(impl, use_running_average=False, axis=axis, axis_name=AXIS),
+                               x, dy), lambda: None) for impl in impls}
+    return measure_interleaved(runs, plan["repeats"], plan["warmup"], plan["min_block_s"])
+
+
+def step_runner(jax, devices, model, x, dy):
+    """A function running one waited-for pmap-ed training step of ``model``."""
     variables = jax.pmap(lambda a: model.init(jax.random.PRNGKey(0), a), axis_name=AXIS, devices=devices)(x)
 
     def replica_step(variables, x, dy):
@@ -78,14 +96,11 @@ def time_point(jax, devices, point, world, plan, seed):
         # replica's all-reduce never joined when the process had 2 cores for 2 devices)
         jax.block_until_ready(step(variables, x, dy))
 
-    return measure_interleaved({"flax": (run, lambda: None)}, plan["repeats"], plan["warmup"],
-                               plan["min_block_s"])["flax"]
+    return run
 
 
-def merged_variances(jax, devices, spec, world, fast: bool) -> dict:
-    import flax.linen as nn
-
-    model = nn.BatchNorm(use_running_average=False, axis=1, axis_name=AXIS, momentum=0.0, use_fast_variance=fast)
+def merged_variances(jax, devices, spec, world, impl: str) -> dict:
+    model = make_model(impl, use_running_average=False, axis=1, axis_name=AXIS, momentum=0.0)
     errors = {}
     for offset in spec["offsets"]:
         parts = numerics.shards(offset, world, spec["batch"], spec["channels"], spec["size"])
@@ -114,9 +129,11 @@ def main(argv=None) -> int:
     jax, devices, cpus = setup(args.world, threads)
     import flax
 
-    result = {"peer": "flax", "world": args.world, "threads": threads, "cpus": cpus,
+    impls = [k for k in IMPLS if k in plan.get("peers", IMPLS)]
+    result = {"peer": "flax", "world": args.world, "threads": threads, "cpus": cpus, "impls": impls,
               "versions": {"jax": jax.__version__, "flax": flax.__version__}, "xla_flags": os.environ["XLA_FLAGS"],
-              "import_s": round(time.perf_counter() - start, 2), "times": [], "errors": {}}
+              "import_s": round(time.perf_counter() - start, 2), "times_by_impl": {k: [] for k in impls},
+              "errors": {}}
 
     def save():
         with open(args.out, "w") as fh:
@@ -129,16 +146,15 @@ def main(argv=None) -> int:
         return 0
     try:
         for i, point in enumerate(plan["points"]):
-            result["times"].append(time_point(jax, devices, point, args.world, plan, seed=i))
+            for impl, times in time_point(jax, devices, point, args.world, plan, i, impls).items():
+                result["times_by_impl"][impl].append(times)
             save()
     except Exception:
         result["errors"]["timing"] = traceback.format_exc()
     if args.world in plan["numerics"]["worlds"]:
         try:
-            result["numerics"] = {
-                "flax": merged_variances(jax, devices, plan["numerics"], args.world, fast=True),
-                "flax_two_pass": merged_variances(jax, devices, plan["numerics"], args.world, fast=False),
-            }
+            result["numerics"] = {impl: merged_variances(jax, devices, plan["numerics"], args.world, impl)
+                                  for impl in impls}
         except Exception:
             result["errors"]["numerics"] = traceback.format_exc()
     save()

@@ -37,6 +37,8 @@ PEERS: Dict[str, Peer] = {
         Peer("keras_sync", "keras BatchNormalization(synchronized=True)", "keras", ("tensorflow", "keras")),
         Peer("syncbn_keras", "syncbn.keras.SyncBatchNormalization", "keras", ("tensorflow", "keras")),
         Peer("flax", "flax nn.BatchNorm(axis_name=...)", "flax", ("jax", "flax")),
+        Peer("flax_two_pass", "flax nn.BatchNorm(axis_name=..., use_fast_variance=False)", "flax", ("jax", "flax")),
+        Peer("syncbn_flax", "syncbn.flax.BatchNorm(axis_name=...)", "flax", ("jax", "flax")),
     ]
 }
 

@@ -99,13 +99,16 @@ def _timing(plan: dict, raw: dict) -> dict:
                 row["ratio_to_bn"] = row["median_ms"] / bn
         for key, text in entry.get("refusals", {}).items():
             refusals.append({"impl": key, "world": w, "refusal": text})
-    for key in ("keras_sync", "syncbn_keras", "flax"):
-        for world_text, result in sorted(raw["peers"].get(key, {}).items(), key=lambda kv: int(kv[0])):
+    for peer in ("keras_sync", "syncbn_keras", "flax"):
+        for world_text, result in sorted(raw["peers"].get(peer, {}).items(), key=lambda kv: int(kv[0])):
             w = int(world_text)
-            for i, seconds in enumerate(result.get("times") or []):
-                row = add(key, w, i, seconds, "torch.nn.BatchNorm2d on one replica's batch, torch peer process")
-                if i in bn_local:
-                    row["ratio_to_bn"] = row["median_ms"] / bn_local[i]
+            # the flax process times several implementations side by side
+            by_impl = result.get("times_by_impl") or {peer: result.get("times") or []}
+            for key, times in by_impl.items():
+                for i, seconds in enumerate(times):
+                    row = add(key, w, i, seconds, "torch.nn.BatchNorm2d on one replica's batch, torch peer process")
+                    if i in bn_local:
+                        row["ratio_to_bn"] = row["median_ms"] / bn_local[i]
 
     # each implementation against syncbn at the same W and global batch
     syncbn_at = {(r["world"], r["point"]): r["median_ms"] for r in rows if r["impl"] == "syncbn"}
@@ -164,7 +167,8 @@ def _numerics(plan: dict, raw: dict) -> dict:
     labels = {"torch_bn_one_process": "torch.nn.BatchNorm2d, the W shards in one process",
               "naive_float32": "naive E[x^2] - E[x]^2, float32 sums, the W shards",
               "flax": "flax nn.BatchNorm(axis_name=...), default (use_fast_variance=True)",
-              "flax_two_pass": "flax nn.BatchNorm(axis_name=...), use_fast_variance=False"}
+              "flax_two_pass": "flax nn.BatchNorm(axis_name=...), use_fast_variance=False",
+              "syncbn_flax": "syncbn.flax.BatchNorm(axis_name=...)"}
     for row in rows:
         row["label"] = labels.get(row["impl"], _label(row["impl"]))
     return {"offsets": plan["numerics"]["offsets"], "rows": rows, "spec": plan["numerics"]}

@@ -30,7 +30,7 @@ def _runs(plan: dict):
         if key in selected:
             for w in plan["worlds"]["keras"]:
                 yield "keras", key, w, "syncbn.bench.keras_peer", ["--impl", key, "--world", w]
-    if "flax" in selected:
+    if any(plans.PEERS[k].family == "flax" for k in selected):  # one process times them all
         for w in plan["worlds"]["flax"]:
             yield "flax", "flax", w, "syncbn.bench.flax_peer", ["--world", w]
 

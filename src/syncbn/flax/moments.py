@@ -1,0 +1,147 @@
+"""Batch moments over the union of devices: local, stable, merged with one ``psum``.
+
+Per channel and per device r the layer needs the valid-element count ``n_r``, the mean
+``m_r`` and ``M2_r = sum (x - m_r)**2`` over the elements the mask keeps. They are
+computed in two local passes (``float32`` at least):
+
+1. ``m1 = sum(x) / n_r`` — a first guess, accurate to about ``eps * |mean|``;
+2. ``a = sum(x - m1)`` and ``b = sum((x - m1)**2)`` in one fused pass; the corrected
+   mean is ``m1 + a / n_r`` and ``M2_r = b - a**2 / n_r`` (the corrected two-pass
+   algorithm: no cancellation, whatever ``|mean| / std``).
+
+The correction is applied in ``float64``, and each device contributes the sums
+``[n_r, n_r * m_r, M2_r + n_r * m_r**2]`` of one concatenated ``float64`` vector to a
+single ``psum``; the union's mean and biased variance follow in ``float64``
+(``var = Q / N - mean**2`` loses ``(|mean| / std)**2 * 1e-16``, far below what a
+``float32`` input resolves). ``float64`` is enabled only for these O(C) values, through
+the public ``jax.enable_x64`` context, whatever the process's ``jax_enable_x64`` says.
+
+Without ``axis_name`` the passes run on whatever the caller's arrays are: under ``jit``
+with a sharded batch XLA turns each pass's reduction into a global one, and the same
+algorithm is stable there too.
+
+A device whose elements are all masked contributes zeros and is exact. When no element
+of a channel is valid anywhere (N = 0) its mean and variance are NaN, as in
+``flax.linen.BatchNorm`` (the mean of nothing); N = 1 gives variance 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisName = Any
+
+
+class Moments(NamedTuple):
+    """Union statistics per channel: count, mean and biased variance (``float32``)."""
+
+    count: jax.Array
+    mean: jax.Array
+    var: jax.Array
+
+
+def stats_dtype(x_dtype, force_float32: bool = True):
+    """The dtype statistics are accumulated in: at least float32, as Flax does."""
+    if not jnp.issubdtype(x_dtype, jnp.floating):
+        raise TypeError(f"syncbn.flax: batch norm needs a real floating input, got {x_dtype}")
+    return jnp.promote_types(x_dtype, jnp.float32) if force_float32 else jnp.dtype(x_dtype)
+
+
+def varying_axes(value) -> frozenset:
+    """The manual mesh axes a value varies over inside ``shard_map`` (empty elsewhere,
+    for example under ``pmap``, which does not track them)."""
+    aval = jax.typeof(value)
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is not None:
+        return frozenset(kind.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def axis_names(axis_name: AxisName) -> Tuple:
+    if axis_name is None:
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def is_tracked(x, axis_name: AxisName) -> bool:
+    """True under ``shard_map`` with ``x`` varying over every sync axis: there values
+    that do not vary over those axes are totals, not per-device parts."""
+    names = axis_names(axis_name)
+    return bool(names) and set(names) <= varying_axes(x)
+
+
+def cross_device_sum(value, axis_name: AxisName, axis_index_groups=None, tracked: bool = False):
+    """The layer's one collective: ``psum`` over ``axis_name`` (and its groups)."""
+    if axis_name is None:
+        return value
+    if axis_index_groups is not None and tracked:
+        raise ValueError(
+            "syncbn.flax: axis_index_groups is not supported under shard_map (JAX's psum "
+            "refuses it there). Give each synchronization group a mesh axis of its own and "
+            "pass that axis as axis_name, e.g. mesh axes ('group', 'replica') with "
+            "axis_name='replica'.")
+    return lax.psum(value, axis_name, axis_index_groups=axis_index_groups)
+
+
+def valid_mask(x, mask):
+    """The mask broadcast to ``x``'s shape as booleans, or None."""
+    if mask is None:
+        return None
+    return jnp.broadcast_to(jnp.asarray(mask, dtype=bool), x.shape)
+
+
+def local_count(x, mask, reduction_axes: Sequence[int]):
+    """Valid elements per channel on this device, exact (int32), as an array."""
+    if mask is None:
+        size = 1
+        for ax in reduction_axes:
+            size *= x.shape[ax]
+        shape = [x.shape[i] for i in range(x.ndim) if i not in reduction_axes]
+        return jnp.full(shape, size, jnp.int32)
+    return jnp.sum(mask, axis=tuple(reduction_axes), dtype=jnp.int32)
+
+
+def _masked(values, mask):
+    return values if mask is None else jnp.where(mask, values, 0)
+
+
+def local_moments(x, mask, reduction_axes: Sequence[int], dtype):
+    """This device's ``(n, first guess m1, a = sum(x - m1), b = sum((x - m1)**2))``."""
+    axes = tuple(reduction_axes)
+    xs = x.astype(dtype)
+    n = local_count(x, mask, axes)
+    total = jnp.sum(_masked(xs, mask), axis=axes)
+    m1 = total / jnp.maximum(n, 1).astype(dtype)
+    d = _masked(xs - jnp.expand_dims(m1, axes), mask)
+    a = jnp.sum(d, axis=axes)
+    b = jnp.sum(d * d, axis=axes)
+    return n, m1, a, b
+
+
+def union_moments(x, mask, reduction_axes: Sequence[int], dtype, axis_name: AxisName = None,
+                  axis_index_groups=None) -> Moments:
+    """Count, mean and biased variance per channel over every device of ``axis_name``
+    (or over the whole, possibly sharded, array without it). One ``psum``."""
+    mask = valid_mask(x, mask)
+    n, m1, a, b = local_moments(x, mask, reduction_axes, dtype)
+    tracked = is_tracked(x, axis_name)
+    with jax.enable_x64(True):
+        wide = jnp.float64
+        n64 = n.astype(wide)
+        safe = jnp.maximum(n64, 1.0)
+        a64 = a.astype(wide)
+        mean_r = m1.astype(wide) + a64 / safe
+        m2_r = jnp.maximum(b.astype(wide) - a64 * a64 / safe, 0.0)
+        payload = jnp.concatenate([n64, n64 * mean_r, m2_r + n64 * mean_r * mean_r])
+        total = cross_device_sum(payload, axis_name, axis_index_groups, tracked)
+        count, s, q = jnp.split(total, 3)
+        mean = s / count
+        var = jnp.maximum(q / count - mean * mean, 0.0)
+        # N = 0: 0/0 is NaN for the mean; keep the variance NaN too, as Flax's is
+        var = jnp.where(count > 0, var, jnp.nan)
+        out = Moments(count.astype(jnp.float32), mean.astype(dtype), var.astype(dtype))
+    return out

@@ -1,0 +1,172 @@
+"""The synchronized batch-norm transform with its own backward (``jax.custom_vjp``).
+
+    y = (x - mean) * rsqrt(var + eps) * scale + bias
+
+with ``mean`` and ``var`` the union statistics of :mod:`syncbn.flax.moments` (one
+``psum`` forward). The backward needs, per channel, the totals over every device of
+``S1 = sum(scale * dy)`` and ``S2 = sum(scale * dy * xhat)``; they travel in one
+concatenated ``psum``, and with ``r = rsqrt(var + eps)``, the valid-element mask ``m``
+and the union's count ``N``:
+
+    dx = r * (scale * dy - m * (S1 + xhat * S2) / N) + m * (G_mean + 2 * xhat * G_var / r) / N
+
+where ``G_mean`` and ``G_var`` are the totals of the cotangents of the returned mean and
+variance (zero unless something differentiates through the running statistics; they
+ride in the same ``psum``). ``dscale = sum(dy * xhat)`` and ``dbias = sum(dy)`` stay
+per device under ``pmap`` (its transpose of a replicated argument sums them); under
+``shard_map`` a parameter that does not vary over the sync axes receives the total,
+taken from the same ``psum``, so ``jax.grad`` from outside ``pmap``/``shard_map``/``jit``
+is exact with one collective backward per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .moments import axis_names, cross_device_sum, is_tracked, union_moments, valid_mask, varying_axes
+
+
+class Config(NamedTuple):
+    """Static description of one call (hashable: it is a ``nondiff`` argument)."""
+
+    reduction_axes: Tuple[int, ...]
+    feature_axes: Tuple[int, ...]
+    epsilon: float
+    axis_name: Any
+    axis_index_groups: Optional[Tuple[Tuple[int, ...], ...]]
+    stats_dtype: Any
+    out_dtype: Any
+
+
+def freeze_groups(groups):
+    """``axis_index_groups`` as nested tuples (hashable), or None."""
+    return None if groups is None else tuple(tuple(int(i) for i in g) for g in groups)
+
+
+def _feature_shape(x, config: Config):
+    return tuple(x.shape[ax] if ax in config.feature_axes else 1 for ax in range(x.ndim))
+
+
+def _params(x, scale, bias, config: Config, dtype):
+    shape = _feature_shape(x, config)
+    one = jnp.ones((), dtype)
+    gamma = one if scale is None else scale.astype(dtype).reshape(shape)
+    beta = None if bias is None else bias.astype(dtype).reshape(shape)
+    return gamma, beta
+
+
+def _forward(x, scale, bias, mask, config: Config):
+    dtype = config.stats_dtype
+    mom = union_moments(x, mask, config.reduction_axes, dtype, config.axis_name, config.axis_index_groups)
+    axes = config.reduction_axes
+    mean = jnp.expand_dims(mom.mean, axes)
+    rstd = jnp.expand_dims(lax.rsqrt(mom.var + jnp.asarray(config.epsilon, dtype)), axes)
+    gamma, beta = _params(x, scale, bias, config, dtype)
+    y = (x.astype(dtype) - mean) * (rstd * gamma)
+    if beta is not None:
+        y = y + beta
+    return y.astype(config.out_dtype), mom
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def batch_norm(x, scale, bias, mask, config: Config):
+    """Normalize ``x`` with the union's statistics; returns ``(y, mean, var)``.
+
+    ``scale``/``bias`` have the reduced feature shape or are None; ``mask`` is a boolean
+    array broadcastable to ``x`` or None. ``mean`` and ``var`` (biased) are what the
+    running averages are updated with.
+    """
+    y, mom = _forward(x, scale, bias, mask, config)
+    return y, mom.mean, mom.var
+
+
+def _batch_norm_fwd(x, scale, bias, mask, config):
+    y, mom = _forward(x, scale, bias, mask, config)
+    return (y, mom.mean, mom.var), (x, scale, bias, mask, mom)
+
+
+def _takes_total(param, tracked: bool, names) -> bool:
+    """Whether a parameter's cotangent is the sum over the sync axes (it does not vary
+    over them inside ``shard_map``) rather than this device's part."""
+    return tracked and not (set(names) & varying_axes(param))
+
+
+def _match_varying(ct, like):
+    """Sum a cotangent over the mesh axes it varies over and its primal does not
+    (parameters replicated across groups that are not synchronized: their gradient is
+    that sum by definition)."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(like)))
+    return lax.psum(ct, extra) if extra else ct
+
+
+def _batch_norm_bwd(config, residuals, cotangents):
+    x, scale, bias, mask, mom = residuals
+    dy, g_mean, g_var = cotangents
+    dtype = config.stats_dtype
+    axes = config.reduction_axes
+    names = axis_names(config.axis_name)
+    tracked = is_tracked(x, config.axis_name)
+    synced = bool(names)
+    valid = valid_mask(x, mask)
+
+    mean = jnp.expand_dims(mom.mean, axes)
+    rstd = lax.rsqrt(mom.var + jnp.asarray(config.epsilon, dtype))
+    rstd_b = jnp.expand_dims(rstd, axes)
+    gamma, _ = _params(x, scale, None, config, dtype)
+    xhat = (x.astype(dtype) - mean) * rstd_b
+    dy = dy.astype(dtype)
+    s1 = jnp.sum(dy, axis=axes)
+    s2 = jnp.sum(dy * xhat, axis=axes)
+
+    scale_total = scale is None or _takes_total(scale, tracked, names)
+    bias_total = bias is not None and _takes_total(bias, tracked, names)
+    # (name, local value) pieces of the one backward psum
+    pieces = []
+    if scale_total:  # the same scale everywhere: send the unscaled sums
+        pieces += [("s1", s1), ("s2", s2)]
+    else:
+        gamma_c = scale.astype(dtype)
+        pieces += [("gs1", gamma_c * s1), ("gs2", gamma_c * s2)]
+        if bias_total:
+            pieces.append(("s1", s1))
+    local_g = {}
+    for name, g in (("g_mean", g_mean), ("g_var", g_var)):
+        g = g.astype(dtype)
+        if synced and (not tracked or set(names) & varying_axes(g)):
+            pieces.append((name, g))  # per-device parts: they must be summed
+        else:
+            local_g[name] = g  # already the total (or no sync axis at all)
+
+    feat = s1.shape
+    flat = jnp.concatenate([jnp.ravel(v) for _, v in pieces])
+    flat = cross_device_sum(flat, config.axis_name, config.axis_index_groups, tracked)
+    totals = dict(zip([n for n, _ in pieces], [v.reshape(feat) for v in jnp.split(flat, len(pieces))]))
+    totals.update(local_g)
+
+    if scale_total:
+        g1 = totals["s1"] * (1.0 if scale is None else scale.astype(dtype))
+        g2 = totals["s2"] * (1.0 if scale is None else scale.astype(dtype))
+    else:
+        g1, g2 = totals["gs1"], totals["gs2"]
+    inv_n = 1.0 / mom.count.astype(dtype)
+    expand = functools.partial(jnp.expand_dims, axis=axes)
+    dx = rstd_b * (gamma * dy)
+    stat = (expand(g1 * inv_n) + xhat * expand(g2 * inv_n)) * rstd_b
+    stat = stat - expand(totals["g_mean"] * inv_n) - xhat * expand(2.0 * totals["g_var"] * inv_n / rstd)
+    dx = dx - (stat if valid is None else jnp.where(valid, stat, 0))
+    dx = dx.astype(x.dtype)
+
+    dscale = dbias = None
+    if scale is not None:
+        dscale = _match_varying((totals["s2"] if scale_total else s2).astype(scale.dtype), scale)
+    if bias is not None:
+        dbias = _match_varying((totals["s1"] if bias_total else s1).astype(bias.dtype), bias)
+    return dx, dscale, dbias, None
+
+
+batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)

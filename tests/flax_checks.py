@@ -1,0 +1,796 @@
+"""Checks of ``syncbn.flax`` on 4 host CPU devices, in one process with torch blocked
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX starts,
+so they cannot run in the pytest process, which may have imported JAX already).
+
+    python tests/flax_checks.py --out R.json --checks NAME...
+
+Every training call is compared with the float64 oracle on the concatenated batch
+(``flax_oracle.py``): outputs, input gradients (``jax.vjp`` from outside
+``pmap``/``shard_map``/``jit`` with an explicit dy), scale/bias gradients and the
+updated running statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from keras_harness import block_torch, run_checks
+from flax_oracle import assert_close, reference_vjp
+
+DEVICES = 4
+AXIS = "d"
+EPS = 1e-5
+MOMENTUM = 0.9
+CHECKS = {}
+# Scaled-error bounds, from the arithmetic: float32 statistics and normalization carry a
+# few hundred float32 roundings at most (2**-24 each, ~6e-8) on values of order 1-10,
+# so 2e-5 leaves a margin of >10x; bfloat16 results (dx in the input's dtype) are
+# rounded to 8 bits (2**-9 ~ 2e-3 relative), so 1e-2.
+TOL = {"float32": 2e-5, "bfloat16": 1e-2}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def setup():
+    block_torch()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    assert len(jax.devices()) >= DEVICES, jax.devices()
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_case(seed, layout, dtype, masked, per_device=3, spatial=5, channels=4):
+    """Per-device inputs ``x[W, B, ...]`` with a different mean on each device, a mask
+    keeping 90 %, 10 %, none and 50 % of the elements on devices 0..3 (uneven counts and
+    a fully masked device), parameters and running statistics away from their defaults."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    if layout == "channels_last":
+        shape, axis = (per_device, spatial, channels), -1
+    else:
+        shape, axis = (per_device, channels, spatial), 1
+    offsets = np.array([3.0, -1.0, 7.0, 0.5])[:, None, None, None]
+    x = (rng.standard_normal((DEVICES,) + shape) * 2 + offsets).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # the values the layer sees
+    mask = None
+    if masked:
+        keep = np.array([0.9, 0.1, 0.0, 0.5])[:, None, None, None]
+        mask = rng.random((DEVICES,) + shape) < keep
+        mask[0, 0, 0] = True  # every channel has valid elements somewhere
+    params = {"scale": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+              "bias": rng.uniform(-1, 1, channels).astype(np.float32)}
+    stats = {"mean": rng.uniform(-1, 1, channels).astype(np.float32),
+             "var": rng.uniform(0.5, 2, channels).astype(np.float32)}
+    dy = rng.standard_normal((DEVICES,) + shape).astype(np.float32)
+    d_mean = rng.standard_normal((DEVICES, channels)).astype(np.float32)
+    d_var = rng.standard_normal((DEVICES, channels)).astype(np.float32)
+    return dict(x=x, mask=mask, params=params, stats=stats, dy=dy, d_mean=d_mean, d_var=d_var, axis=axis,
+                dtype=dtype)
+
+
+def flax_variables(case):
+    """Variables initialized by ``flax.linen.BatchNorm`` itself, then given the case's values."""
+    import jax
+    import flax.linen as nn
+
+    variables = nn.BatchNorm(axis=case["axis"]).init(jax.random.PRNGKey(0), case["x"][0], use_running_average=False)
+    assert set(variables) == {"params", "batch_stats"}
+    for col, key in (("params", "scale"), ("params", "bias"), ("batch_stats", "mean"), ("batch_stats", "var")):
+        assert variables[col][key].shape == case[col if col == "params" else "stats"][key].shape
+    return {"params": dict(case["params"]), "batch_stats": dict(case["stats"])}
+
+
+def concat(a):
+    return None if a is None else np.concatenate(list(a), axis=0)
+
+
+def oracle(case, d_mean, d_var):
+    x = concat(case["x"])
+    (y, ra_mean, ra_var), (dx, dscale, dbias) = reference_vjp(
+        x, case["params"]["scale"], case["params"]["bias"], concat(case["mask"]), case["axis"], EPS, MOMENTUM,
+        case["stats"]["mean"], case["stats"]["var"], (concat(case["dy"]), d_mean, d_var))
+    return dict(y=y, mean=ra_mean, var=ra_var, dx=dx, dscale=dscale, dbias=dbias)
+
+
+def compare(got, ref, dtype, label):
+    tol = TOL[dtype]
+    errs = {}
+    for key in ("y", "mean", "var", "dscale", "dbias"):
+        errs[key] = assert_close(f"{label} {key}", got[key], ref[key], TOL["float32"] if key != "y" else tol)
+    errs["dx"] = assert_close(f"{label} dx", got["dx"], ref["dx"], tol)
+    return errs
+
+
+def cases():
+    for layout in ("channels_last", "channels_first"):
+        for dtype in ("float32", "bfloat16"):
+            for masked in (False, True):
+                yield layout, dtype, masked
+
+
+# ----------------------------------------------------------------------------- pmap
+
+
+def pmap_step(model, case, groups=None):
+    """Forward and vjp of one training call under ``pmap``; returns arrays as numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    variables = flax_variables(case)
+    x = jnp.asarray(case["x"], case["dtype"])
+    mask = None if case["mask"] is None else jnp.asarray(case["mask"])
+
+    def replica(x, params, mask):
+        y, upd = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mask=mask,
+                             mutable=["batch_stats"])
+        return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+    step = jax.pmap(replica, axis_name=AXIS, in_axes=(0, None, 0 if mask is not None else None))
+    out, pullback = jax.vjp(lambda x, p: step(x, p, mask), x, variables["params"])
+    dy = jnp.asarray(case["dy"], out[0].dtype)
+    dx, dparams = pullback((dy, jnp.asarray(case["d_mean"]), jnp.asarray(case["d_var"])))
+    y, mean, var = (np.asarray(o, np.float64) for o in out)
+    return dict(y=concat(y), mean=mean, var=var, dx=concat(np.asarray(dx, np.float64)),
+                dscale=np.asarray(dparams["scale"]), dbias=np.asarray(dparams["bias"]))
+
+
+@check
+def pmap_matches_oracle():
+    """pmap over 4 devices, channels at -1 and 1, float32 and bfloat16, with and without
+    uneven masks (one device fully masked); running-statistics cotangents non-zero."""
+    from syncbn.flax import BatchNorm
+
+    info = {}
+    for i, (layout, dtype, masked) in enumerate(cases()):
+        case = make_case(i, layout, dtype, masked)
+        model = BatchNorm(use_running_average=False, axis=case["axis"], axis_name=AXIS, momentum=MOMENTUM, epsilon=EPS)
+        got = pmap_step(model, case)
+        # each device returns its copy of the running statistics: their cotangents add up
+        ref = oracle(case, case["d_mean"].sum(0), case["d_var"].sum(0))
+        ref["mean"], ref["var"] = np.broadcast_to(ref["mean"], got["mean"].shape), np.broadcast_to(ref["var"], got["var"].shape)
+        info[f"{layout}/{dtype}/{'masked' if masked else 'full'}"] = compare(got, ref, dtype, f"{layout} {dtype} {masked}")
+    return info
+
+
+# ----------------------------------------------------------------------------- shard_map / jit
+
+
+def mesh_1d():
+    import jax
+
+    return jax.make_mesh((DEVICES,), (AXIS,))
+
+
+def global_step(model, case, mesh, spec, wrap_shard_map):
+    """One training call on the global batch (``W*B`` leading), batch sharded over the
+    mesh axis, parameters and statistics replicated; under ``shard_map`` when
+    ``wrap_shard_map`` else plain ``jit`` (XLA makes the reductions global)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    variables = flax_variables(case)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    x = put(jnp.asarray(concat(case["x"]), case["dtype"]), spec)
+    mask = None if case["mask"] is None else put(jnp.asarray(concat(case["mask"])), spec)
+    params = jax.tree.map(lambda a: put(jnp.asarray(a), P()), variables["params"])
+    stats = jax.tree.map(lambda a: put(jnp.asarray(a), P()), variables["batch_stats"])
+
+    def body(x, params, stats, mask):
+        y, upd = model.apply({"params": params, "batch_stats": stats}, x, mask=mask, mutable=["batch_stats"])
+        return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+    fn = body
+    if wrap_shard_map:
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P(), spec if mask is not None else P()),
+                           out_specs=(spec, P(), P()))
+
+    def run(x, params, mask, dy, dm, dv):
+        out, pullback = jax.vjp(lambda x, p: fn(x, p, stats, mask), x, params)
+        return out, pullback((dy, dm, dv))
+
+    dy = put(jnp.asarray(concat(case["dy"])), spec)
+    args = (x, params, mask, dy, jnp.asarray(case["d_mean"][0]), jnp.asarray(case["d_var"][0]))
+    compiled = jax.jit(run).lower(*args).compile()
+    (y, mean, var), (dx, dparams) = compiled(*args)
+    assert len(x.sharding.device_set) == DEVICES, x.sharding
+    got = dict(y=np.asarray(y, np.float64), mean=np.asarray(mean), var=np.asarray(var),
+               dx=np.asarray(dx, np.float64), dscale=np.asarray(dparams["scale"]), dbias=np.asarray(dparams["bias"]))
+    return got, compiled.as_text()
+
+
+# both layouts, both dtypes, with and without masks, in four compilations (pmap runs all eight)
+GLOBAL_CASES = [("channels_last", "float32", True), ("channels_first", "float32", False),
+                ("channels_last", "bfloat16", False), ("channels_first", "bfloat16", True)]
+
+
+def global_cases(wrap_shard_map):
+    from jax.sharding import PartitionSpec as P
+    from syncbn.flax import BatchNorm
+
+    info = {}
+    mesh = mesh_1d()
+    for i, (layout, dtype, masked) in enumerate(GLOBAL_CASES):
+        case = make_case(100 + i, layout, dtype, masked)
+        model = BatchNorm(use_running_average=False, axis=case["axis"], momentum=MOMENTUM, epsilon=EPS,
+                          axis_name=AXIS if wrap_shard_map else None)
+        got, _ = global_step(model, case, mesh, P(AXIS), wrap_shard_map)
+        ref = oracle(case, case["d_mean"][0], case["d_var"][0])
+        info[f"{layout}/{dtype}/{'masked' if masked else 'full'}"] = compare(got, ref, dtype, f"{layout} {dtype} {masked}")
+    return info
+
+
+@check
+def shard_map_matches_oracle():
+    """shard_map over a 4-device mesh, replicated parameters (their gradient is the
+    total, from the same backward psum)."""
+    return global_cases(True)
+
+
+@check
+def jit_sharded_matches_oracle():
+    """jit with the batch sharded by NamedSharding and no axis_name: XLA's global
+    reductions, same stable algorithm."""
+    return global_cases(False)
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@check
+def groups_pmap_and_mesh_axis():
+    """axis_index_groups [[0, 1], [2, 3]] under pmap, and its shard_map equivalent (a
+    ('group', 'replica') mesh, axis_name='replica'), each equal to the oracle on each
+    group's concatenated batch; axis_index_groups under shard_map is a clear error."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from syncbn.flax import BatchNorm
+
+    info = {}
+    case = make_case(7, "channels_last", "float32", True)
+    groups = [[0, 1], [2, 3]]
+    model = BatchNorm(use_running_average=False, momentum=MOMENTUM, epsilon=EPS, axis_name=AXIS,
+                      axis_index_groups=groups)
+    got = pmap_step(model, case)
+    per = case["x"].shape[1]
+    for g, members in enumerate(groups):
+        sub = dict(case, x=case["x"][members], mask=case["mask"][members], dy=case["dy"][members])
+        ref = oracle(sub, case["d_mean"][members].sum(0), case["d_var"][members].sum(0))
+        rows = slice(members[0] * per, (members[-1] + 1) * per)
+        for key in ("y", "dx"):
+            info[f"pmap group {g} {key}"] = assert_close(f"group {g} {key}", got[key][rows], ref[key], TOL["float32"])
+        for key in ("mean", "var"):
+            for d in members:
+                assert_close(f"group {g} {key}", got[key][d], ref[key], TOL["float32"])
+
+    mesh = jax.make_mesh((2, 2), ("group", "replica"))
+    spec = P(("group", "replica"))
+    model = BatchNorm(use_running_average=False, momentum=MOMENTUM, epsilon=EPS, axis_name="replica")
+    variables = flax_variables(case)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    x = put(jnp.asarray(concat(case["x"])), spec)
+    mask = put(jnp.asarray(concat(case["mask"])), spec)
+    dy = put(jnp.asarray(concat(case["dy"])), spec)
+
+    def body(x, params, mask):
+        y, upd = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mask=mask,
+                             mutable=["batch_stats"])
+        return y
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), spec), out_specs=spec)
+    y, pullback = jax.vjp(lambda x, p: fn(x, p, mask), x, variables["params"])
+    dx, dparams = pullback(dy)
+    dscale = np.zeros_like(case["params"]["scale"], np.float64)
+    for g, members in enumerate(groups):
+        sub = dict(case, x=case["x"][members], mask=case["mask"][members], dy=case["dy"][members])
+        zeros = np.zeros_like(case["d_mean"][0])
+        ref = oracle(sub, zeros, zeros)
+        rows = slice(members[0] * per, (members[-1] + 1) * per)
+        info[f"mesh group {g} y"] = assert_close(f"mesh group {g} y", np.asarray(y)[rows], ref["y"], TOL["float32"])
+        info[f"mesh group {g} dx"] = assert_close(f"mesh group {g} dx", np.asarray(dx)[rows], ref["dx"], TOL["float32"])
+        dscale += ref["dscale"]
+    # scale is replicated over the whole mesh: its gradient sums both groups
+    info["mesh dscale"] = assert_close("mesh dscale", dparams["scale"], dscale, TOL["float32"])
+
+    model = BatchNorm(use_running_average=False, axis_name=AXIS, axis_index_groups=groups)
+    mesh = mesh_1d()
+    fn = jax.shard_map(lambda x: model.apply(variables, x, mutable=["batch_stats"])[0], mesh=mesh,
+                       in_specs=P(AXIS), out_specs=P(AXIS))
+    try:
+        jax.jit(fn)(jax.device_put(jnp.asarray(concat(case["x"])), NamedSharding(mesh, P(AXIS))))
+    except ValueError as err:
+        assert "axis_index_groups is not supported under shard_map" in str(err), err
+    else:
+        raise AssertionError("axis_index_groups under shard_map did not raise")
+    return info
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def count_all_reduces(hlo: str) -> int:
+    """All-reduce instructions in compiled HLO text (async pairs count once)."""
+    import re
+
+    return len(re.findall(r"= [^=\n]*\ball-reduce(?:-start)?\(", hlo))
+
+
+@check
+def collective_counts():
+    """Compiled HLO of one training step: exactly one all-reduce forward and one more
+    for forward + backward under pmap (parameters passed per device, so pmap adds no
+    gradient reduction of its own) and shard_map (replicated parameters: their total
+    gradient comes out of the layer's backward psum); none in the forward with
+    use_running_average=True. Under jit with a sharded batch the count XLA chose is
+    reported (not asserted: XLA owns those)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from syncbn.flax import BatchNorm
+
+    case = make_case(3, "channels_last", "float32", True)
+    variables = flax_variables(case)
+    x, mask = jnp.asarray(case["x"]), jnp.asarray(case["mask"])
+    params = jax.tree.map(lambda a: jnp.broadcast_to(a, (DEVICES,) + a.shape), variables["params"])
+    info = {}
+    for train in (True, False):
+        key = "train" if train else "eval"
+        model = BatchNorm(use_running_average=not train, axis_name=AXIS)
+
+        def replica(x, params, mask):
+            y, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mask=mask,
+                               mutable=["batch_stats"])
+            return y
+
+        step = jax.pmap(replica, axis_name=AXIS)
+
+        def fwd_bwd(x, params, mask):
+            y, pullback = jax.vjp(lambda x, p: step(x, p, mask), x, params)
+            return pullback(y)
+
+        fwd = jax.jit(step).lower(x, params, mask).compile().as_text()
+        both = jax.jit(fwd_bwd).lower(x, params, mask).compile().as_text()
+        info[f"pmap {key} forward"] = count_all_reduces(fwd)
+        info[f"pmap {key} forward+backward"] = count_all_reduces(both)
+        want = (1, 2) if train else (0, 0)
+        assert (info[f"pmap {key} forward"], info[f"pmap {key} forward+backward"]) == want, info
+
+        _, hlo = global_step(model, case, mesh_1d(), P(AXIS), True)
+        info[f"shard_map {key} forward+backward"] = count_all_reduces(hlo)
+        if train:
+            assert info[f"shard_map {key} forward+backward"] == 2, info
+        model_jit = BatchNorm(use_running_average=not train)
+        for masked, c in (("masked", case), ("unmasked", dict(case, mask=None))):
+            _, hlo = global_step(model_jit, c, mesh_1d(), P(AXIS), False)
+            info[f"jit-sharded {key} {masked} forward+backward (XLA)"] = count_all_reduces(hlo)
+    return info
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def pmap_variance(model, parts):
+    """The variance a model's pmap-ed training call merges from per-device ``parts``."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.asarray(np.stack(parts))
+    variables = model.init(jax.random.PRNGKey(0), x[0])
+    fn = jax.pmap(lambda x: model.apply(variables, x, mutable=["batch_stats"])[1]["batch_stats"]["var"],
+                  axis_name=AXIS)
+    return np.asarray(fn(x))[0].astype(np.float64)
+
+
+@check
+def variance_far_from_zero():
+    """Variance relative error at |mean|/std = 1, 1e2, 1e3, 1e4 (float32, 4 devices,
+    every device with its own data): syncbn.flax <= 1e-5 up to 1e3 and <= 1e-4 at 1e4;
+    Flax's two variance modes reported beside it."""
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(11)
+    models = {"syncbn.flax": BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0),
+              "flax fast": nn.BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0),
+              "flax two-pass": nn.BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0,
+                                            use_fast_variance=False)}
+    table = {name: {} for name in models}
+    for ratio in (1.0, 1e2, 1e3, 1e4):
+        parts = [(ratio + rng.standard_normal((64, 8))).astype(np.float32) for _ in range(DEVICES)]
+        whole = np.concatenate(parts).astype(np.float64)
+        ref = whole.var(axis=0)
+        for name, model in models.items():
+            var = pmap_variance(model, parts)
+            table[name][f"{ratio:g}"] = float(np.max(np.abs(var - ref) / ref))
+    ours = table["syncbn.flax"]
+    assert all(np.isfinite(v) for v in ours.values()), ours
+    assert max(ours["1"], ours["100"], ours["1000"]) <= 1e-5, ours
+    assert ours["10000"] <= 1e-4, ours
+    return table
+
+
+@check
+def masked_uneven_counts_vs_flax():
+    """Two devices with 60 and 6 valid elements, then the same plus two fully masked
+    devices (4 in all): syncbn.flax's mean, variance and input gradient equal the
+    union's; Flax's are reported (it averages per-device means; a fully masked device
+    makes its statistics NaN)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(5)
+    info = {}
+    for devices in (2, DEVICES):
+        x = (rng.standard_normal((devices, 60, 1)) * 1.5).astype(np.float32)
+        x[1] += 2.0
+        mask = np.zeros((devices, 60, 1), bool)
+        mask[0, :60] = True
+        mask[1, :6] = True
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        valid = np.concatenate([x[0], x[1, :6]]).astype(np.float64)
+        row = {"union mean": float(valid.mean()), "union var": float(valid.var())}
+        ref_case = dict(x=x, mask=mask, dy=dy, axis=-1,
+                        params={"scale": np.ones(1, np.float32), "bias": np.zeros(1, np.float32)},
+                        stats={"mean": np.zeros(1, np.float32), "var": np.ones(1, np.float32)})
+        ref = oracle(ref_case, np.zeros(1), np.zeros(1))
+        for name, model in (("syncbn.flax", BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0)),
+                            ("flax", nn.BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0))):
+            variables = model.init(jax.random.PRNGKey(0), x[0])
+
+            def replica(x, mask):
+                y, upd = model.apply(variables, x, mask=mask, mutable=["batch_stats"])
+                return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+            step = jax.pmap(replica, axis_name=AXIS, devices=jax.devices()[:devices])
+            (y, mean, var), pullback = jax.vjp(lambda x: step(x, jnp.asarray(mask)), jnp.asarray(x))
+            dx, = pullback((jnp.asarray(dy), jnp.zeros_like(mean), jnp.zeros_like(var)))
+            dx = concat(np.asarray(dx, np.float64))
+            with np.errstate(invalid="ignore"):
+                rel = float(np.max(np.abs(dx - ref["dx"])) / np.max(np.abs(ref["dx"])))
+            row[name] = {"mean": float(np.asarray(mean)[0, 0]), "var": float(np.asarray(var)[0, 0]),
+                         "dx relative error": rel}
+        ours = row["syncbn.flax"]
+        assert abs(ours["mean"] - row["union mean"]) <= 1e-5 * (1 + abs(row["union mean"])), row
+        assert abs(ours["var"] - row["union var"]) <= 1e-5 * row["union var"], row
+        assert ours["dx relative error"] <= 1e-5, row
+        info[f"{devices} devices" + (" (2 fully masked)" if devices > 2 else "")] = row
+    return info
+
+
+# ----------------------------------------------------------------------------- degenerate
+
+
+@check
+def tiny_batches_follow_flax():
+    """N = 1 (one valid element over all devices): variance 0, output = bias, finite
+    gradients, as Flax gives on a single device; N = 0 (everything masked): NaN
+    statistics, as Flax (the mean of nothing); a fully masked device beside others is
+    finite."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    x = jnp.asarray(np.arange(DEVICES * 2 * 3, dtype=np.float32).reshape(DEVICES, 2, 3) + 5)
+    model = BatchNorm(use_running_average=False, axis_name=AXIS, momentum=0.0,
+                      bias_init=jax.nn.initializers.constant(0.25))
+    variables = model.init(jax.random.PRNGKey(0), x[0])
+
+    def run(mask):
+        def replica(x, mask):
+            y, upd = model.apply(variables, x, mask=mask, mutable=["batch_stats"])
+            return y, upd["batch_stats"]["var"]
+
+        step = jax.pmap(replica, axis_name=AXIS)
+        (y, var), pullback = jax.vjp(lambda x: step(x, mask), x)
+        dx, = pullback((jnp.ones_like(y), jnp.zeros_like(var)))
+        return np.asarray(y), np.asarray(var), np.asarray(dx)
+
+    one = np.zeros((DEVICES, 2, 1), bool)
+    one[2, 1] = True
+    y, var, dx = run(jnp.asarray(one))
+    assert np.all(var == 0) and np.all(np.isfinite(dx)), (var, dx)
+    assert np.all(y[2, 1] == 0.25), y
+    flax_y = nn.BatchNorm(use_running_average=False, bias_init=jax.nn.initializers.constant(0.25)).apply(
+        variables, x[2, 1:2], mutable=["batch_stats"])[0]
+    assert np.array_equal(np.asarray(flax_y), y[2, 1:2]), (flax_y, y[2, 1:2])
+    info = {"N=1 var": var[0].tolist(), "N=1 y": y[2, 1].tolist()}
+    y, var, dx = run(jnp.zeros((DEVICES, 2, 1), bool))
+    assert np.all(np.isnan(var)) and np.all(np.isnan(y)), (var, y)
+    return info
+
+
+# ----------------------------------------------------------------------------- drop-in
+
+
+@check
+def linen_drop_in_single_device():
+    """Without axis_name on one device: the same variables (collections, names, shapes,
+    dtypes) as flax.linen.BatchNorm, outputs and updated statistics equal to Flax's
+    two-pass mode within float32 rounding, identical in eval mode, channels at -1, 1
+    and a tuple of feature axes; bfloat16 input gives float32 statistics."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(2)
+    info = {}
+    for axis, shape in ((-1, (6, 5, 4)), (1, (6, 4, 5)), ((1, 2), (6, 3, 4))):
+        x = jnp.asarray(rng.standard_normal(shape) * 3 + 2, jnp.float32)
+        kw = dict(axis=axis, momentum=0.8)
+        ours, theirs = BatchNorm(**kw), nn.BatchNorm(use_fast_variance=False, **kw)
+        v_ours = ours.init(jax.random.PRNGKey(0), x, use_running_average=False)
+        v_theirs = theirs.init(jax.random.PRNGKey(0), x, use_running_average=False)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), v_ours) == jax.tree.map(lambda a: (a.shape, a.dtype), v_theirs)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), v_ours, v_theirs))
+        y1, u1 = ours.apply(v_theirs, x, use_running_average=False, mutable=["batch_stats"])
+        y2, u2 = theirs.apply(v_theirs, x, use_running_average=False, mutable=["batch_stats"])
+        info[f"axis {axis} y"] = assert_close("y", y1, y2, 2e-6)
+        for k in ("mean", "var"):
+            assert_close(k, u1["batch_stats"][k], u2["batch_stats"][k], 2e-6)
+        e1 = ours.apply({**v_theirs, **u1}, x, use_running_average=True)
+        e2 = theirs.apply({**v_theirs, **u1}, x, use_running_average=True)
+        assert np.array_equal(np.asarray(e1), np.asarray(e2))
+    xb = jnp.asarray(rng.standard_normal((8, 3)) + 1, jnp.bfloat16)
+    y, upd = BatchNorm().apply(BatchNorm().init(jax.random.PRNGKey(0), xb, use_running_average=False), xb,
+                               use_running_average=False, mutable=["batch_stats"])
+    assert upd["batch_stats"]["var"].dtype == jnp.float32 and y.dtype == jnp.float32, (y.dtype, upd)
+    yb = BatchNorm(dtype=jnp.bfloat16).apply(BatchNorm().init(jax.random.PRNGKey(0), xb, use_running_average=False), xb,
+                                             use_running_average=False, mutable=["batch_stats"])[0]
+    assert yb.dtype == jnp.bfloat16
+    return info
+
+
+@check
+def linen_convert_context():
+    """A model written with flax.linen.BatchNorm (no axis_name), run inside
+    syncbn.flax.convert(axis_name=...) under pmap, equals the same model written with
+    syncbn.flax.BatchNorm(axis_name=...); outside the context it is Flax's again."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    class Net(nn.Module):
+        bn: type = nn.BatchNorm
+        axis_name: str = None
+
+        @nn.compact
+        def __call__(self, x, train):
+            x = nn.Dense(4)(x)
+            x = self.bn(use_running_average=not train, axis_name=self.axis_name)(x)
+            return self.bn(use_running_average=not train, axis_name=self.axis_name)(nn.relu(x))
+
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((DEVICES, 5, 3)) + np.arange(DEVICES)[:, None, None] * 2, jnp.float32)
+    plain, synced = Net(), Net(bn=sf.BatchNorm, axis_name=AXIS)
+    variables = plain.init(jax.random.PRNGKey(1), x[0], True)
+    assert jax.tree.structure(variables) == jax.tree.structure(synced.init(jax.random.PRNGKey(1), x[0], True))
+
+    def run(model):
+        return jax.pmap(lambda x: model.apply(variables, x, True, mutable=["batch_stats"]), axis_name=AXIS)(x)
+
+    want = run(synced)
+    with sf.convert(axis_name=AXIS):
+        got = run(plain)
+    outside = run(plain)
+    same = jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=1e-6)), got, want))
+    assert same, (got, want)
+    differs = not np.allclose(np.asarray(outside[0]), np.asarray(want[0]), atol=1e-3)
+    assert differs, "outside the context the layers must be Flax's (per-device statistics)"
+    return {}
+
+
+@check
+def nnx_drop_in_and_convert():
+    """syncbn.flax.nnx.BatchNorm has flax.nnx.BatchNorm's state; under nnx.jit with a
+    sharded batch (with and without mask) and under shard_map with axis_name it equals the
+    oracle; convert() swaps every
+    nnx.BatchNorm of a model in place sharing its Variables, revert() undoes it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import syncbn.flax.nnx as snnx
+
+    ours = snnx.BatchNorm(4, momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+    theirs = nnx.BatchNorm(4, momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+    shapes = lambda m: jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(m))
+    assert shapes(ours) == shapes(theirs)
+    info = {}
+    mesh = mesh_1d()
+    for masked in (False, True):
+        case = make_case(21 + masked, "channels_last", "float32", masked)
+        for name, value in list(case["params"].items()) + list(case["stats"].items()):
+            getattr(ours, name)[...] = jnp.asarray(value)
+        x = jax.device_put(jnp.asarray(concat(case["x"])), NamedSharding(mesh, P(AXIS)))
+        mask = None if case["mask"] is None else jax.device_put(jnp.asarray(concat(case["mask"])),
+                                                                NamedSharding(mesh, P(AXIS)))
+        dy = jnp.asarray(concat(case["dy"]))
+        layer = nnx.clone(ours)
+
+        @nnx.jit
+        def step(layer, x, mask, dy):
+            def loss(layer, x):
+                return jnp.sum(layer(x, mask=mask) * dy)
+
+            return nnx.grad(loss, argnums=(0, 1))(layer, x)
+
+        grads, dx = step(layer, x, mask, dy)
+        ref = oracle(case, np.zeros(4), np.zeros(4))
+        info[f"jit masked={masked} dx"] = assert_close("nnx dx", dx, ref["dx"], TOL["float32"])
+        assert_close("nnx dscale", grads["scale"][...], ref["dscale"], TOL["float32"])
+        assert_close("nnx mean", layer.mean[...], ref["mean"], TOL["float32"])
+        assert_close("nnx var", layer.var[...], ref["var"], TOL["float32"])
+
+    # under shard_map with axis_name: split the layer, merge it inside, return its new state
+    case = make_case(23, "channels_first", "float32", True)
+    layer = snnx.BatchNorm(4, axis=1, momentum=MOMENTUM, epsilon=EPS, axis_name=AXIS, rngs=nnx.Rngs(0))
+    for name, value in list(case["params"].items()) + list(case["stats"].items()):
+        getattr(layer, name)[...] = jnp.asarray(value)
+    graphdef, params, stats = nnx.split(layer, nnx.Param, nnx.BatchStat)
+    put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+    params, stats = (jax.tree.map(lambda a: put(a, P()), t) for t in (params, stats))
+
+    def body(x, params, stats, mask):
+        model = nnx.merge(graphdef, params, stats)
+        y = model(x, mask=mask)
+        return y, nnx.state(model, nnx.BatchStat)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(AXIS)), out_specs=(P(AXIS), P()))
+    x, mask, dy = (put(concat(case[k]), P(AXIS)) for k in ("x", "mask", "dy"))
+
+    @jax.jit
+    def run(x, params):
+        (y, new_stats), pullback = jax.vjp(lambda x, p: fn(x, p, stats, mask), x, params)
+        return new_stats, pullback((dy, jax.tree.map(jnp.zeros_like, new_stats)))
+
+    new_stats, (dx, dparams) = run(x, params)
+    ref = oracle(case, np.zeros(4), np.zeros(4))
+    info["shard_map dx"] = assert_close("nnx shard_map dx", dx, ref["dx"], TOL["float32"])
+    assert_close("nnx shard_map dscale", dparams["scale"][...], ref["dscale"], TOL["float32"])
+    assert_close("nnx shard_map var", new_stats["var"][...], ref["var"], TOL["float32"])
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.blocks = nnx.List([nnx.BatchNorm(4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)])
+
+    net = Net(nnx.Rngs(0))
+    scale = net.blocks[0].scale
+    snnx.convert(net, axis_name=AXIS)
+    assert type(net.bn) is snnx.BatchNorm and type(net.blocks[0]) is snnx.BatchNorm, net
+    assert net.blocks[0].scale is scale and net.bn.axis_name == AXIS
+    snnx.revert(net)
+    assert type(net.bn) is nnx.BatchNorm and type(net.blocks[0]) is nnx.BatchNorm
+    assert net.blocks[0].scale is scale
+    return info
+
+
+# ----------------------------------------------------------------------------- Flax's own contract
+
+
+@check
+def flax_batch_norm_contract():
+    """What Flax's own tests ask of its BatchNorm, for ours (our words and data): with
+    and without a mask whose excluded elements are NaN, the kept outputs have mean 0 and
+    variance 1 per channel and the running statistics move by (1 - momentum) toward the
+    masked batch's mean and biased variance; a layer with axis_name initializes outside
+    pmap and two calls of one layer at init agree; use_running_average must come from
+    the constructor or the call; complex inputs are a clear error (not supported)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from syncbn.flax import BatchNorm
+
+    rng = np.random.default_rng(31)
+    info = {}
+    for masked in (False, True):
+        x = (rng.standard_normal((5, 4, 3)) * 2 + 1).astype(np.float32)
+        m = None
+        if masked:
+            m = rng.random((5, 4, 1)) < 0.6
+            m[0, 0] = m[1, 1] = True
+            x = np.where(m, x, np.nan).astype(np.float32)
+        model = BatchNorm(momentum=0.8, use_running_average=False)
+        y, variables = model.init_with_output(jax.random.PRNGKey(0), jnp.asarray(x), mask=m)
+        y = np.asarray(y, np.float64)
+        keep = np.ones(x.shape, bool) if m is None else np.broadcast_to(m, x.shape)
+        for c in range(3):
+            kept = y[..., c][keep[..., c]]
+            info[f"mask={masked} c{c} mean"] = assert_close("kept mean", kept.mean(), 0.0, 1e-5)
+            assert_close("kept var", kept.var(), 1.0 - 1e-5 / (x[..., c][keep[..., c]].var() + 1e-5), 1e-5)
+        _, upd = model.apply(variables, jnp.asarray(x), mask=m, mutable=["batch_stats"])
+        xs = x.astype(np.float64)
+        ref_mean = np.array([xs[..., c][keep[..., c]].mean() for c in range(3)])
+        ref_var = np.array([xs[..., c][keep[..., c]].var() for c in range(3)])
+        assert_close("ema mean", upd["batch_stats"]["mean"], 0.2 * ref_mean, 1e-6)
+        assert_close("ema var", upd["batch_stats"]["var"], 0.8 + 0.2 * ref_var, 1e-6)
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            norm = BatchNorm(name="norm", use_running_average=False, axis_name="batch")
+            first = norm(x)
+            return first, norm(first)
+
+    (y1, y2), _ = Twice().init_with_output(jax.random.PRNGKey(0), jnp.asarray(rng.standard_normal((6, 4)), jnp.float32))
+    assert_close("twice", y2, y1, 1e-5)
+
+    x = jnp.ones((4, 3))
+    try:
+        BatchNorm().init(jax.random.PRNGKey(0), x)
+    except ValueError as err:
+        assert "use_running_average" in str(err), err
+    else:
+        raise AssertionError("use_running_average given nowhere did not raise")
+    try:
+        BatchNorm(use_running_average=False).init(jax.random.PRNGKey(0), x.astype(jnp.complex64))
+    except TypeError as err:
+        assert "real floating" in str(err), err
+    else:
+        raise AssertionError("a complex input did not raise")
+    return info
+
+
+@check
+def nnx_matches_flax_nnx():
+    """Without axis_name, syncbn.flax.nnx.BatchNorm gives flax.nnx.BatchNorm's outputs
+    (two-pass mode) and running statistics within float32 rounding, with and without
+    scale/bias, for float32 and bfloat16 inputs and dtype=bfloat16, in train and eval;
+    the same Variables types (Param, BatchStat)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    import syncbn.flax.nnx as snnx
+
+    rng = np.random.default_rng(41)
+    info = {}
+    for use_scale, use_bias, in_dtype, dtype in ((True, True, "float32", None), (False, True, "float32", None),
+                                                 (True, False, "bfloat16", None), (True, True, "bfloat16", "bfloat16")):
+        kw = dict(use_scale=use_scale, use_bias=use_bias, momentum=0.7, dtype=dtype)
+        ours = snnx.BatchNorm(3, rngs=nnx.Rngs(0), **kw)
+        theirs = nnx.BatchNorm(3, use_fast_variance=False, rngs=nnx.Rngs(0), **kw)
+        kinds = lambda m: {k: type(v).__name__ for k, v in vars(m).items() if isinstance(v, nnx.Variable)}
+        assert kinds(ours) == kinds(theirs), (kinds(ours), kinds(theirs))
+        x = jnp.asarray(rng.standard_normal((6, 5, 3)) * 2 + 3, in_dtype)
+        y1, y2 = ours(x), theirs(x)
+        assert y1.dtype == y2.dtype, (y1.dtype, y2.dtype)
+        tol = 2e-5 if y1.dtype == jnp.float32 else 1e-2
+        info[f"{use_scale}/{use_bias}/{in_dtype}/{dtype}"] = assert_close("nnx y", y1, y2, tol)
+        assert_close("nnx mean", ours.mean[...], theirs.mean[...], 2e-6)
+        assert_close("nnx var", ours.var[...], theirs.var[...], 2e-6)
+        assert_close("nnx eval", ours(x, use_running_average=True), theirs(x, use_running_average=True), tol)
+    return info
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
+    args = parser.parse_args(argv)
+    setup()
+    results = run_checks(CHECKS, args.checks, args.out)
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

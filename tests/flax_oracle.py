@@ -1,0 +1,55 @@
+"""Float64 oracle for ``syncbn.flax``: plain batch norm on the concatenated batch (masked
+elements excluded from the statistics), written in ``jax.numpy`` and evaluated with
+``float64`` (``jax.enable_x64``), so ``jax.vjp`` of it gives the reference gradients,
+including those through the running statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reference(x, scale, bias, mask, feature_axis, eps):
+    """``(y, mean, var)`` of batch norm over every axis but ``feature_axis``, float64."""
+    import jax.numpy as jnp
+
+    axes = tuple(i for i in range(x.ndim) if i != feature_axis % x.ndim)
+    shape = [1] * x.ndim
+    shape[feature_axis] = x.shape[feature_axis]
+    m = jnp.ones_like(x) if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
+    n = m.sum(axes)
+    mean = (m * x).sum(axes) / n
+    var = (m * (x - mean.reshape(shape)) ** 2).sum(axes) / n
+    y = (x - mean.reshape(shape)) / jnp.sqrt(var.reshape(shape) + eps) * scale.reshape(shape) + bias.reshape(shape)
+    return y, mean, var
+
+
+def reference_vjp(x, scale, bias, mask, feature_axis, eps, momentum, ra_mean, ra_var, cotangents):
+    """Reference outputs ``(y, new_ra_mean, new_ra_var)`` and the gradients of
+    ``(x, scale, bias)`` for the given cotangents of those outputs, all float64 numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
+        mask_ = None if mask is None else jnp.asarray(np.asarray(mask, bool))
+
+        def f(x, scale, bias):
+            y, mean, var = reference(x, scale, bias, mask_, feature_axis, eps)
+            return (y, momentum * f64(ra_mean) + (1 - momentum) * mean,
+                    momentum * f64(ra_var) + (1 - momentum) * var)
+
+        out, pullback = jax.vjp(f, f64(x), f64(scale), f64(bias))
+        grads = pullback(tuple(f64(c) for c in cotangents))
+        return [np.asarray(o) for o in out], [np.asarray(g) for g in grads]
+
+
+def assert_close(name, got, want, tol):
+    """``|got - want| <= tol * (1 + |want|)`` everywhere; NaN or inf anywhere fails."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert np.isfinite(got).all(), f"{name}: non-finite values {got[~np.isfinite(got)][:5]}"
+    assert np.isfinite(want).all(), f"{name}: the oracle is not finite"
+    err = np.abs(got - want) / (1 + np.abs(want))
+    assert err.max() <= tol, f"{name}: max scaled error {err.max():.3g} > {tol:.3g}"
+    return float(err.max())
