@@ -894,3 +894,321 @@ def test_local_output_exact_far_from_zero(layout, shape):
     ref = (xd - mean) / ((xd - mean) ** 2).mean(dim=(0, 2, 3), keepdim=True).add(1e-5).sqrt()
     err = (y - ref).abs().max().item()
     assert err < (1e-5 if exact else 5e-3), err
+
+
+# ---- issue 13: never a silently wrong value -------------------------------------------
+# Each test compares against float64 torch.nn.BatchNorm2d + the same activation.
+
+
+def _ref64(layer):
+    """Float64 BatchNorm2d + the activation, with ``layer``'s state."""
+    bn = nn.BatchNorm2d(layer.num_features, eps=layer.eps, momentum=layer.momentum).double()
+    bn.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in layer.state_dict().items()})
+    bn.train(layer.training)
+    return nn.Sequential(bn, torch_activation(layer.activation, layer.activation_param))
+
+
+def _close64(got, ref, tol):
+    """Relative to the largest reference value; NaN and inf in ``got`` fail."""
+    got, ref = got.detach().double(), ref.detach().double()
+    assert torch.isfinite(got).all(), "non-finite values"
+    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
+    assert err <= tol, err
+
+
+def _layer(activation="leaky_relu", param=0.1, **kwargs):
+    layer = syncbn.SyncBatchNormAct(4, activation, param, **kwargs)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, -0.5, 0.7, 0.8]))
+        layer.bias.copy_(torch.tensor([0.2, -0.3, 0.4, 0.0]))
+    return layer
+
+
+def _foreign(kind, arr):
+    """A tensor over memory that torch does not own (or, for dlpack_torch, another
+    tensor's memory handed over through DLPack)."""
+    import numpy as np
+
+    if kind == "from_numpy":
+        return torch.from_numpy(arr)
+    if kind == "as_tensor":
+        return torch.as_tensor(arr)
+    if kind == "dlpack_numpy":
+        return torch.from_dlpack(arr)
+    assert kind == "dlpack_torch"
+    return torch.from_dlpack(torch.from_numpy(np.ascontiguousarray(arr)))
+
+
+@pytest.mark.parametrize("kind", ["from_numpy", "as_tensor", "dlpack_numpy", "dlpack_torch", "temporary"])
+@pytest.mark.parametrize("path", ["local", "general"])
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 1.0)])
+def test_group1_default_layer_never_writes_over_its_input(monkeypatch, kind, path, activation, param):
+    """Group 1: without inplace=True the input, whoever owns its memory, keeps its values."""
+    import numpy as np
+
+    if path == "general":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    arr = (np.random.default_rng(0).standard_normal((3, 4, 5, 5)) + 1).astype(np.float32)
+    before = arr.copy()
+    layer = _layer(activation, param)
+    ref = _ref64(layer)
+    for training in (True, False):
+        layer.train(training)
+        ref.train(training)
+        x = torch.from_numpy(arr).clone() * 1 if kind == "temporary" else _foreign(kind, arr)
+        kept = x.detach().clone()
+        y = layer(x)
+        _close64(y, ref(kept.double()), 1e-5)
+        assert torch.equal(x, kept), "the input was overwritten"
+        assert np.array_equal(arr, before), "the numpy array was overwritten"
+
+
+def test_group1_inplace_true_writes_over_declared_to_autograd():
+    """Group 1: inplace=True writes over the input (as LeakyReLU(inplace=True), also
+    through numpy memory), and a reader that needs the old values gets autograd's error."""
+    import numpy as np
+
+    layer = _layer(inplace=True)
+    ref = _ref64(layer)
+    x0 = torch.randn(3, 4, 5, 5) + 1
+    x = x0.clone().requires_grad_()
+    h = x * 1
+    y = layer(h)
+    assert y.data_ptr() == h.data_ptr()
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr = x0.double().requires_grad_()
+    ref(xr).backward(dy.double())
+    _close64(x.grad, xr.grad, 1e-5)
+    # something else still needs h: the write is caught at backward, never used silently
+    x = x0.clone().requires_grad_()
+    h = x * 1
+    other = h * torch.linspace(0.5, 2, 4).view(1, 4, 1, 1).requires_grad_()  # saves h
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (layer(h) + other).sum().backward()
+    with pytest.raises(RuntimeError, match="leaf"):
+        layer(x0.clone().requires_grad_())
+    # numpy memory with an explicit inplace=True: written through, as torch's in-place ops do
+    arr = x0.numpy().copy()
+    torch_out = nn.LeakyReLU(0.1, inplace=True)(torch.from_numpy(arr.copy()))
+    out = layer(torch.from_numpy(arr))
+    assert np.array_equal(arr, out.detach().numpy())
+    assert torch_out.data_ptr() != out.data_ptr()
+
+
+@pytest.mark.parametrize("path,activation,param", [
+    ("local", "leaky_relu", 0.1), ("general", "leaky_relu", 0.1), ("general", "elu", 1.0), ("general", "identity", 0.01),
+])
+def test_group1_incoming_gradient_is_never_overwritten(monkeypatch, path, activation, param):
+    """Group 1: the gradient autograd hands the layer keeps its values, whether the
+    caller passed it, a hook keeps it, another node still needs it, or it is fresh."""
+    if path == "general":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    x0 = torch.randn(3, 4, 5, 2) + 0.5
+    g = torch.randn_like(x0)
+    layer = _layer(activation, param)
+    ref = _ref64(layer)
+
+    def run(module, x, dtype):
+        kept = []
+        y = module(x * 1)
+        y.register_hook(lambda grad: kept.append((grad, grad.clone())))
+        other = x * 3  # a + b: the engine hands both sides the same gradient tensor
+        ((y + other) * g.to(dtype)).sum().backward()
+        return kept
+
+    x = x0.clone().requires_grad_()
+    kept = run(layer, x, torch.float32)
+    xr = x0.double().requires_grad_()
+    run(ref, xr, torch.float64)
+    _close64(x.grad, xr.grad, 1e-5)
+    (grad, copy_at_hook), = kept
+    assert torch.equal(grad, copy_at_hook)
+    caller = g.clone()
+    layer(x0.clone().requires_grad_() * 1).backward(caller)
+    assert torch.equal(caller, g)
+
+
+def _twice_differentiable_cases(layer, x):
+    def penalty():  # a constant incoming gradient (once_differentiable dropped it silently)
+        xx = x.clone().requires_grad_()
+        dx, = torch.autograd.grad(layer(xx).sum(), xx, create_graph=True)
+        return dx
+
+    def hessian():
+        return torch.autograd.functional.hessian(lambda t: layer(t).square().sum(), x[:2])
+
+    def grad_of_grad():  # the incoming gradient requires grad itself
+        xx = x.clone().requires_grad_()
+        v = torch.randn_like(x, requires_grad=True)
+        return torch.autograd.grad(layer(xx), xx, v, create_graph=True)
+
+    return [penalty, hessian, grad_of_grad]
+
+
+@pytest.mark.parametrize("path", ["local", "general"])
+def test_group2_create_graph_raises_in_the_fused_layer(monkeypatch, path):
+    """Group 2: every backward with create_graph=True that reaches the layer raises."""
+    if path == "general":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    layer = _layer("elu" if path == "general" else "leaky_relu", 1.0 if path == "general" else 0.1)
+    x = torch.randn(3, 4, 5, 2) + 0.5
+    for case in _twice_differentiable_cases(layer, x):
+        with pytest.raises(RuntimeError, match="SyncBatchNormAct: higher-order gradients are not supported"):
+            case()
+    # a plain backward is still fine afterwards
+    xx = x.clone().requires_grad_()
+    layer(xx).sum().backward()
+    assert torch.isfinite(xx.grad).all()
+
+
+def double_backward_job(kind):
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    torch.manual_seed(dist.get_rank())
+    if kind == "act":
+        layer = syncbn.SyncBatchNormAct(4, "leaky_relu", 0.1, process_group=group)
+        name = "SyncBatchNormAct"
+    else:
+        layer = syncbn.SyncBatchNorm(4, process_group=group)
+        name = "SyncBatchNorm"
+    x = torch.randn(3, 4, 5) + 0.5
+    messages = []
+    for case in _twice_differentiable_cases(layer, x)[::2]:  # hessian: one rank-local call each
+        try:
+            case()
+            messages.append(None)
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    return name, messages
+
+
+@pytest.mark.parametrize("kind", ["act", "plain"])
+def test_group2_create_graph_raises_when_synchronized(pool, kind):
+    """Group 2: the synchronized paths (W = 2) raise on every rank alike."""
+    for name, messages in pool.run(double_backward_job, kind)[:2]:
+        assert all(m is not None and m.startswith(f"{name}: higher-order gradients") for m in messages), messages
+
+
+def test_group2_transforms_raise_in_training_and_are_exact_in_eval():
+    """Group 2: torch.func and forward-mode AD name the layer in training; eval (plain
+    torch ops) computes them exactly."""
+    from torch.autograd import forward_ad
+    from torch.func import functional_call, grad, jacrev
+
+    layer = _layer()
+    x = torch.randn(3, 4, 5, 2) + 0.5
+    params = dict(layer.named_parameters())
+
+    def loss(p, t):
+        return functional_call(layer, p, (t,)).square().sum()
+
+    with pytest.raises(RuntimeError, match="SyncBatchNormAct: torch.func transforms and forward-mode AD"):
+        grad(loss)(params, x)
+    with pytest.raises(RuntimeError, match="SyncBatchNormAct: torch.func transforms and forward-mode AD"):
+        jacrev(lambda t: layer(t))(x)
+    with forward_ad.dual_level():
+        with pytest.raises(RuntimeError, match="SyncBatchNormAct: torch.func transforms and forward-mode AD"):
+            layer(forward_ad.make_dual(x, torch.ones_like(x)))
+    layer.eval()
+    ref = _ref64(layer)
+    got = grad(loss, argnums=1)(params, x)
+    xr = x.double().requires_grad_()
+    ref(xr).square().sum().backward()
+    _close64(got, xr.grad, 1e-5)
+    tangent = torch.randn_like(x)
+    with forward_ad.dual_level():
+        out = forward_ad.unpack_dual(layer(forward_ad.make_dual(x, tangent))).tangent
+        want = forward_ad.unpack_dual(ref(forward_ad.make_dual(x.double(), tangent.double()))).tangent
+    _close64(out, want, 1e-5)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_group3_training_forward_in_a_backward_hook_updates_running_stats(momentum):
+    """Group 3: a forward run by a tensor hook during backward is a real forward: the
+    running statistics and num_batches_tracked move as torch.nn.BatchNorm2d's do."""
+    layer = _layer(momentum=momentum)
+    ref = _ref64(layer)
+    x0 = torch.randn(3, 4, 5, 2) + 0.5
+    side = torch.randn(6, 4, 3, 3) * 2 + 1
+
+    def step(module, dtype):
+        x = x0.to(dtype).requires_grad_()
+        h = x * 2
+        h.register_hook(lambda g: (module(side.to(dtype)), None)[1])
+        module(h).sum().backward()
+
+    step(layer, torch.float32)
+    step(ref, torch.float64)
+    bn = ref[0]
+    assert int(layer.num_batches_tracked) == int(bn.num_batches_tracked) == 2
+    _close64(layer.running_mean, bn.running_mean, 1e-6)
+    _close64(layer.running_var, bn.running_var, 1e-6)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_group3_checkpoint_recomputation_moves_running_stats_once(use_reentrant):
+    """Group 3: syncbn.checkpoint's recomputation leaves the buffers alone (as without
+    checkpointing); a plain torch.utils.checkpoint recomputes as torch.nn.BatchNorm2d
+    does under it (buffers moved twice)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    x0 = torch.randn(3, 4, 5, 2) + 0.5
+
+    def step(module, dtype, run):
+        x = x0.to(dtype).requires_grad_()
+        out = module(x * 1) if run is None else run(module, x * 1, use_reentrant=use_reentrant)
+        out.square().sum().backward()
+        return module
+
+    for run, ref_run, counted in ((syncbn.checkpoint, None, 1), (torch_checkpoint, torch_checkpoint, 2)):
+        layer = step(_layer(momentum=None), torch.float32, run)
+        ref = step(_ref64(_layer(momentum=None)), torch.float64, ref_run)[0]
+        assert int(layer.num_batches_tracked) == int(ref.num_batches_tracked) == counted
+        _close64(layer.running_mean, ref.running_mean, 1e-6)
+        _close64(layer.running_var, ref.running_var, 1e-6)
+
+
+@pytest.mark.parametrize("path", ["local", "general"])
+def test_group4_huge_weight_gives_a_finite_exact_input_gradient(monkeypatch, path):
+    """Group 4: |w| = 1e20 in float32 (w * w * invstd would overflow)."""
+    if path == "general":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    layer = _layer()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1e20, -1e20, 1.0, 3e19]))
+    ref = _ref64(layer)
+    x0 = torch.randn(3, 4, 5, 2) + 0.5
+    dy = torch.randn_like(x0)
+    x = x0.clone().requires_grad_()
+    layer(x * 1).backward(dy)
+    xr = x0.double().requires_grad_()
+    ref(xr).backward(dy.double())
+    for c in range(4):  # per channel: their scales differ by 1e20
+        _close64(x.grad[:, c], xr.grad[:, c], 1e-4)
+    _close64(layer.weight.grad, ref[0].weight.grad, 1e-4)
+
+
+def test_group7_eval_then_train_then_backward():
+    """Group 7: an eval call's backward uses the running statistics of its own call, even
+    after a training forward updated them in place (torch.nn.BatchNorm2d would use the
+    updated values)."""
+    layer = _layer()
+    x0 = torch.randn(3, 4, 5, 2) + 0.5
+    d1, d2 = torch.randn_like(x0), torch.randn_like(x0)
+    # the oracle: each call's gradient taken right after its own forward
+    ref = _ref64(layer)
+    xr = x0.double().requires_grad_()
+    ref.eval()
+    ref(xr).backward(d1.double())
+    ref.train()
+    ref(xr).backward(d2.double())
+    x = x0.clone().requires_grad_()
+    layer.eval()
+    y1 = layer(x)
+    layer.train()
+    y2 = layer(x * 1)
+    ((y1 * d1).sum() + (y2 * d2).sum()).backward()
+    _close64(x.grad, xr.grad, 1e-5)
+    _close64(layer.running_var, ref[0].running_var, 1e-6)
