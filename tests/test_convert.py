@@ -1,6 +1,7 @@
 """convert_sync_batchnorm / revert_sync_batchnorm on a torchvision-like model built here."""
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -279,16 +280,21 @@ class _Slices(nn.Module):
 
 
 class _AuxInTraining(nn.Module):
+    """Taps the batch norm's output in one mode only."""
+
     def __init__(self, when_training=True):
         super().__init__()
         self.stem = _stem()
         self.aux = nn.Conv2d(4, 2, 1)
         self.when_training = when_training
 
+    def tapping(self):
+        return self.training == self.when_training
+
     def forward(self, x):
         h = self.stem[1](self.stem[0](x))
         out = self.stem[3](self.stem[2](h))
-        if self.training == self.when_training:
+        if self.tapping():
             return out, self.aux(h)
         return out
 
@@ -334,19 +340,15 @@ def test_group6_fusion_refuses_values_kept_outside_the_graph(how):
     torch.testing.assert_close(kept(model).double(), kept(ref), rtol=1e-4, atol=1e-4)  # the pre-activation
 
 
-class _Flagged(nn.Module):
+class _Flagged(_AuxInTraining):
+    """Taps the batch norm's output when a plain attribute says so."""
+
     def __init__(self):
         super().__init__()
-        self.stem = _stem()
-        self.aux = nn.Conv2d(4, 2, 1)
         self.tap = False
 
-    def forward(self, x):
-        h = self.stem[1](self.stem[0](x))
-        out = self.stem[3](self.stem[2](h))
-        if self.tap:
-            return out, self.aux(h)
-        return out
+    def tapping(self):
+        return self.tap
 
 
 def test_group6_a_flag_flipped_after_fusion_raises():
@@ -356,6 +358,11 @@ def test_group6_a_flag_flipped_after_fusion_raises():
     assert _fused_names(model) == ["stem.1"]
     _same_as_unfused(model, ref, _image)
     model.eval()  # (no buffer moves: the reference does not run these calls)
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(model)))  # the check goes with the copies
+    twin.tap = True
+    with pytest.raises(RuntimeError, match="_Flagged.tap was False"):
+        twin(_image(0))
+    model(_image(0))  # the original is untouched
     model.tap = True
     with pytest.raises(RuntimeError, match="_Flagged.tap was False when fuse_batchnorm_act traced"):
         model(_image(0))

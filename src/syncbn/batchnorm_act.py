@@ -89,8 +89,8 @@ layer tracks none) the layer is plain ``F.batch_norm`` and the activation, and n
 communicates; when a gradient may be asked for, it hands ``F.batch_norm`` copies of the
 running buffers (``C`` values each), so that a later training forward, which updates the
 buffers in place, cannot change what this call's backward reads (``torch.nn.BatchNorm2d``
-computes that gradient with the updated buffers). Training on one process, or in a group of one, runs torch's own
-training kernel forward and one call of its backward kernel on the recovered ``z``
+computes that gradient with the updated buffers). Training on one process, or in a
+group of one, runs torch's own training kernel forward and one call of its backward kernel on the recovered ``z``
 (:class:`_LocalBatchNormAct`) wherever no channel has to keep its input and
 ``w * w / sqrt(eps)`` cannot overflow, with leaky_relu or identity in float32 or
 float64; otherwise the code used across ranks,

@@ -18,10 +18,10 @@ directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import warnings
-import weakref
 from collections import Counter
 
 import torch
@@ -281,46 +281,44 @@ class _Reads:
         self.values = {}  # (id(module), name) -> (module, name, value)
         self.escapes = {}  # id(module) -> reason
 
+    @contextlib.contextmanager
     def recording(self, modules):
-        """Context in which ``modules`` (instances) report their attribute reads and writes."""
+        """Context in which ``modules`` (instances) report their attribute reads and
+        writes: each gets, for the duration, a subclass of its own class that records."""
+        classes, swapped = {}, []
+        try:
+            for m in modules:
+                cls = type(m)
+                if cls not in classes:
+                    classes[cls] = self._recording_class(cls)
+                object.__setattr__(m, "__class__", classes[cls])
+                swapped.append((m, cls))
+            yield
+        finally:
+            for m, cls in swapped:
+                object.__setattr__(m, "__class__", cls)
+
+    def _recording_class(self, cls):
         reads = self
-        swapped = []
 
-        def subclass(cls):
-            def __getattribute__(obj, name):
-                value = super(sub, obj).__getattribute__(name)
-                if not name.startswith("_") and name != "training" and obj is not None:
-                    if _plain_value(value):
-                        reads.values.setdefault((id(obj), name), (obj, name, value))
-                    elif isinstance(value, (list, dict, set, bytearray)):
-                        reads.escapes.setdefault(id(obj), f"its forward reads the mutable attribute {name!r}")
-                return value
+        def __getattribute__(obj, name):
+            value = super(sub, obj).__getattribute__(name)
+            if not name.startswith("_") and name != "training":
+                if _plain_value(value):
+                    reads.values.setdefault((id(obj), name), (obj, name, value))
+                elif isinstance(value, (list, dict, set, bytearray)):
+                    reads.escapes.setdefault(id(obj), f"its forward reads the mutable attribute {name!r}")
+            return value
 
-            def __setattr__(obj, name, value):
-                if isinstance(value, torch.fx.Proxy) or (
-                        isinstance(value, (list, tuple, dict)) and any(
-                            isinstance(v, torch.fx.Proxy) for v in (value.values() if isinstance(value, dict) else value))):
-                    reads.escapes.setdefault(id(obj), f"its forward stores a traced value in attribute {name!r}")
-                super(sub, obj).__setattr__(name, value)
+        def __setattr__(obj, name, value):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            if isinstance(value, torch.fx.Proxy) or any(isinstance(v, torch.fx.Proxy) for v in items):
+                reads.escapes.setdefault(id(obj), f"its forward stores a traced value in attribute {name!r}")
+            super(sub, obj).__setattr__(name, value)
 
-            sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
-                                              "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-            return sub
-
-        class _Swap:
-            def __enter__(self_):
-                classes = {}
-                for m in modules:
-                    cls = type(m)
-                    sub = classes.get(cls) or classes.setdefault(cls, subclass(cls))
-                    object.__setattr__(m, "__class__", sub)
-                    swapped.append((m, cls))
-
-            def __exit__(self_, *exc):
-                for m, cls in swapped:
-                    object.__setattr__(m, "__class__", cls)
-
-        return _Swap()
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return sub
 
 
 def _trace(root: nn.Module, training: bool):
@@ -501,24 +499,23 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
     return pairs, refused, calls
 
 
-def _guard(entries):
-    """A check that the attribute values the traced forwards read still hold."""
-    refs = [(weakref.ref(m), type(m).__name__, name, value) for m, name, value in entries]
+class _FusionGuard:
+    """Checks, at each call of a fused layer, that the plain attribute values the traced
+    forwards read still hold. Holds the modules themselves (not weak references), so
+    that ``copy.deepcopy`` and pickling of the model carry it over consistently."""
 
-    def check():
-        for ref, cls, name, value in refs:
-            m = ref()
-            if m is None:
-                continue
+    def __init__(self, entries):
+        self.entries = [(m, name, value) for m, name, value in entries]
+
+    def __call__(self):
+        for m, name, value in self.entries:
             now = getattr(m, name, _MISSING)
             if not (now is value or (type(now) is type(value) and now == value)):
                 raise RuntimeError(
-                    f"SyncBatchNormAct: {cls}.{name} was {value!r} when fuse_batchnorm_act traced the "
-                    f"model and is now {now!r}; the fused graph may no longer hold. Call "
-                    "syncbn.revert_sync_batchnorm(model) and fuse again."
+                    f"SyncBatchNormAct: {type(m).__name__}.{name} was {value!r} when fuse_batchnorm_act "
+                    f"traced the model and is now {'missing' if now is _MISSING else repr(now)}; the fused "
+                    "graph may no longer hold. Call syncbn.revert_sync_batchnorm(model) and fuse again."
                 )
-
-    return check
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -622,7 +619,7 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
         act = module.get_submodule(act_name)
         new, placeholder = _fuse(module.get_submodule(bn_name), act, spec, process_group, inplace and fresh)
         if guard:
-            new.__dict__["_syncbn_fusion_guard"] = _guard(guard)
+            new.__dict__["_syncbn_fusion_guard"] = _FusionGuard(guard)
         _set_submodule(module, bn_name, new)
         placeholders.setdefault(act_name, placeholder)
     for act_name, placeholder in placeholders.items():
