@@ -451,6 +451,8 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
     for node in graph.nodes:
         if node.op != "call_module" or not isinstance(root.get_submodule(node.target), _BatchNorm):
             continue
+        if isinstance(root.get_submodule(node.target), SyncBatchNormAct):
+            continue  # fused already
         bn = root.get_submodule(node.target)
         acts = [u for u in node.users if u.op == "call_module"
                 and _activation_spec(root.get_submodule(u.target)) is not None]
