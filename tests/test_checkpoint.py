@@ -1,4 +1,4 @@
-"""Activation checkpointing: the forward recomputed during backward normalizes as the first
+"""Activation checkpointing (syncbn.checkpoint): the forward recomputed during backward normalizes as the first
 one did and does not move the running statistics again. W = 2, float64: training with and
 without checkpointing ends with the same parameters, gradients and buffers, and both
 ranks issue the same sequence of collectives."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from syncbn import checkpoint
 
 import syncbn
 from syncbn.traffic import record_collectives
@@ -32,7 +32,7 @@ class Net(nn.Module):
 
     def __init__(self, ckpt=None):
         super().__init__()
-        self.ckpt = ckpt  # None, or use_reentrant for torch.utils.checkpoint
+        self.ckpt = ckpt  # None, or use_reentrant for syncbn.checkpoint
         self.block1 = Block(3, 4)
         self.block2 = Block(4, 4, momentum=None)
         self.head = nn.Linear(4, 2)

@@ -45,36 +45,38 @@ read of C flags on the CPU (no synchronisation there) picks how to normalize: th
 kernel's single pass ``x * scale + shift``, or, where some channel has ``|mean| > 16 std``,
 the centered ``(x - mean) * scale + b``, which accelerators always use.
 
-**In place.** The output is written over the input when nothing else can read the
-input afterwards; otherwise the layer works out of place, with the same numbers and the
-same saved bytes (in both cases only the output is kept). The input is overwritten only
-when every one of these holds: it is a plain tensor that is not a leaf requiring grad,
-not a view, not aliased by another tensor (its storage has no other user, which also
-rules out a producer that saved its own output, such as ``relu``), not saved for
-backward by another operation (no other C++ owner), has no tensor hooks, weak
-references or ``retain_grad``; the layer has no module hooks and is called through
-``Module.__call__``; and no Python name or container holds the input beyond the call
-itself, checked with its reference count against a count measured once, at first use,
-for the same call path. In practice: ``bnact(conv(x))`` and the layer inside
-``nn.Sequential`` (where the container's loop variable is rebound right away) run in
-place; ``x = conv(x); x = bnact(x)`` and anything else keeping ``x`` run out of place.
-When the Python version makes a held tensor indistinguishable from a temporary by its
-reference count, the layer never works in place.
+**In place, only when asked.** The layer writes its output over its input only with
+``inplace=True`` (as ``torch.nn.LeakyReLU(inplace=True)``), or when
+:func:`syncbn.fuse_batchnorm_act` has proved from the traced model (train and eval
+modes) that the input is a convolution's or linear layer's fresh output that nothing else
+reads; otherwise it works out of place, with the same numbers and the same saved bytes
+(only the output is kept either way). Every in-place write is declared to autograd
+(``ctx.mark_dirty``), so a reader that was missed gets autograd's error at backward, never
+a wrong value. With ``inplace=True`` the layer follows torch's in-place operators: memory
+that torch does not own (``torch.from_numpy``, ``torch.as_tensor``, ``torch.from_dlpack``)
+is written through as ``LeakyReLU(inplace=True)`` would write it; the fusion helper never
+chooses in-place for an input it cannot prove to be a fresh torch allocation. An input
+that is not dense in its memory format is handled out of place. Eval mode never writes
+over its input.
 
-The backward pass works in place too: the activation's gradient goes over the incoming
-gradient when that is a fresh tensor that only the autograd engine and this call hold
-(in a network, the input gradient of the next layer), so the pass allocates only the
-recovered pre-activation and the input gradient (the synchronized path builds the input
-gradient in the pre-activation's memory: one new tensor in all). The check compares the
-gradient's Python, TensorImpl and storage reference counts with those of such a fresh
-gradient, measured once at the first training forward together with two cases that must
-differ from it (the caller's own tensor, and a gradient the engine still owes another
-node, as ``a + b`` hands both sides the same tensor); if either cannot be told apart,
-the incoming gradient is never overwritten. A gradient passed in by the caller
-(``y.backward(g)``, ``torch.autograd.grad(y, x, g)``), kept by a hook or owed to a node
-that has yet to run, a view, one that requires grad (double backward), and any gradient
-when some channels keep their inputs get a buffer of their own (``retain_grad`` keeps a
-copy, which is never touched).
+The backward pass never writes over the incoming gradient (autograd's contract gives a
+``Function`` no such right): it works in a copy only where it made one itself (a cast to
+the compute dtype, or a change of memory format).
+
+**Higher-order gradients** (``create_graph=True``: gradient penalties,
+``torch.autograd.functional.hessian``) are not supported: the backward pass raises a
+``RuntimeError`` naming the layer whenever autograd asks for a differentiable backward,
+whether or not the incoming gradient itself requires grad. ``torch.func`` transforms and
+forward-mode AD raise a ``RuntimeError`` naming the layer in training mode; in eval mode
+the layer is plain ``F.batch_norm`` and the activation and works under both. Use
+:func:`syncbn.revert_sync_batchnorm` (batch norm and activation as separate torch modules)
+for such computations.
+
+**Activation checkpointing.** A training forward recomputed by :func:`syncbn.checkpoint`
+normalizes as the first one did and leaves the running statistics alone (see
+:func:`syncbn.recompute.recomputing`); any other training forward, including one run by a
+hook during a backward pass and the recomputation of a plain
+``torch.utils.checkpoint.checkpoint``, moves them as ``torch.nn.BatchNorm2d`` does.
 
 Activations: ``"identity"``, ``"leaky_relu"`` (``activation_param`` is the negative
 slope, which must be positive: slope 0 is ReLU, which loses the sign of every negative
@@ -84,10 +86,14 @@ alpha, which must be positive). ReLU is not invertible, so a ReLU block must sta
 
 Outside training (eval with running statistics, or with local batch statistics when the
 layer tracks none) the layer is plain ``F.batch_norm`` and the activation, and never
-communicates. Training on one process, or in a group of one, runs torch's own
-training kernel forward and one call of its backward kernel on the recovered ``z``
-(:class:`_LocalBatchNormAct`) wherever no channel has to keep its input, with
-leaky_relu or identity in float32 or float64; otherwise the code used across ranks,
+communicates; when a gradient may be asked for, it hands ``F.batch_norm`` copies of the
+running buffers (``C`` values each), so that a later training forward, which updates the
+buffers in place, cannot change what this call's backward reads (``torch.nn.BatchNorm2d``
+computes that gradient with the updated buffers). Training on one process, or in a
+group of one, runs torch's own training kernel forward and one call of its backward kernel on the recovered ``z``
+(:class:`_LocalBatchNormAct`) wherever no channel has to keep its input and
+``w * w / sqrt(eps)`` cannot overflow, with leaky_relu or identity in float32 or
+float64; otherwise the code used across ranks,
 without the collectives.
 
 Saved for backward per layer: the output (one activation-sized tensor), a few C-sized
@@ -100,15 +106,12 @@ its input, which helps only where the next layer keeps that output too.
 from __future__ import annotations
 
 import math
-import sys
-import threading
 import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import distributed, stats
 
@@ -117,7 +120,8 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import recomputing
+from .functional import refuse_create_graph
+from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS"]
 
@@ -171,15 +175,15 @@ def _activate_(y: Tensor, activation: str, param: float) -> Tensor:
     return y
 
 
-def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype, overwrite_dy: bool = False):
+def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype, dy_owned: bool = False):
     """``(z, dz, owned)``: the activation's input recovered from its output and the
     gradient with respect to it, both in the compute dtype; ``owned`` tells whether
     ``z`` is a new tensor that the caller may overwrite (identity returns ``y`` itself).
-    ``dz`` is written over ``dy`` when ``overwrite_dy`` (nothing else reads ``dy``), or
-    over its compute-dtype copy."""
+    ``dz`` is written over ``dy`` only where ``dy`` is a copy this call made itself
+    (``dy_owned``, or the cast to the compute dtype), never over autograd's gradient."""
     yc = y.to(cdtype)
     dyc = dy.to(cdtype)
-    in_place = overwrite_dy or dyc is not dy
+    in_place = dy_owned or dyc is not dy
     if activation == "leaky_relu":
         z = F.leaky_relu(yc, 1.0 / param)
         if in_place:
@@ -329,9 +333,8 @@ class _SyncBatchNormAct(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
-        refs = sys.getrefcount(dy)  # first: see _grad_is_free
+        refuse_create_graph("SyncBatchNormAct")
         y, keep_x, keep_idx, gamma, beta, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         channels = y.shape[1]
@@ -340,9 +343,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
             sum_dy = torch.zeros(channels, dtype=cdtype, device=y.device)
             sum_dy_xhat = torch.zeros_like(sum_dy)
         else:
-            dy, free = _grad_in_layout(dy, y, refs)
+            dy, own_copy = _grad_in_layout(dy, y)
             # the kept channels read dy again below: then dz gets its own buffer
-            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype, overwrite_dy=free and keep_idx is None)
+            z, dz, owned = _invert(y, dy, ctx.activation, ctx.param, cdtype, dy_owned=own_copy and keep_idx is None)
             sum_dy, sum_dy_xhat = stats.backward_sums_from_output(dz, z, gamma, beta)
             if keep_idx is not None:
                 # the kept channels, from their inputs: x-hat exactly, and the activation's
@@ -419,13 +422,15 @@ def _host_view(t: Tensor):
     return view
 
 
-def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -> bool:
+def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float, eps: float = 1e-5) -> bool:
     """Whether a training call without communication can take :class:`_LocalBatchNormAct`:
     torch's own kernels on a CPU or CUDA float32/float64 input, leaky_relu or identity,
     and no channel that would have to keep its input (every ``|w|`` clear of zero and
     within the amplification budget of ``|b|``, as in :func:`_channels_to_keep`; also
-    ``|w| >= tiny ** 0.25`` so that ``w * w * invstd`` below cannot underflow). One read
-    of a flag on the host, as the general path's channel choice."""
+    ``|w| >= tiny ** 0.25`` so that ``w * w * invstd`` below cannot underflow, and
+    ``|w| <= sqrt(max * sqrt(eps) / 4)`` so that it cannot overflow: ``invstd`` is at
+    most ``1 / sqrt(eps)``). One read of a flag on the host, as the general path's
+    channel choice."""
     if activation == "elu" or x.dtype not in (torch.float32, torch.float64) or _compiling():
         return False
     if x.device.type not in stats.NATIVE_KERNEL_DEVICES:
@@ -437,8 +442,11 @@ def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -
     # max(|b|, budget * tiny ** 0.25) + floor <= budget * |w| (implies the amplification
     # bound of _channels_to_keep, (|b| + floor) / |w| <= budget, and |w| >= tiny ** 0.25)
     budget, floor, least = _fit_bounds(x.dtype, activation, param)
+    most = math.sqrt(torch.finfo(x.dtype).max * math.sqrt(eps) / 4)
     if x.device.type == "cpu" and _numpy is not None:  # C-sized: numpy costs a fraction of torch here
         scaled = _numpy.abs(_host_view(weight))
+        if not (scaled <= most).all():
+            return False
         scaled *= budget
         if bias is None:
             return bool((scaled >= least + floor).all())
@@ -448,7 +456,8 @@ def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float) -
         return bool((need <= scaled).all())
     with torch.no_grad():
         need = torch.full_like(weight, least) if bias is None else bias.abs().clamp_min_(least)
-        return bool((need.add_(floor) <= weight.abs().mul_(budget)).all())
+        scaled = weight.abs()
+        return bool(((need.add_(floor) <= scaled * budget) & (scaled <= most)).all())
 
 
 # Below this size the native training kernel's single call beats the centered moments'
@@ -510,9 +519,8 @@ class _LocalBatchNormAct(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
-        refs = sys.getrefcount(dy)  # first: see _grad_is_free
+        refuse_create_graph("SyncBatchNormAct")
         y, weight, bias, invstd = ctx.saved_tensors
         # the per-channel vectors first: small operations run faster before the passes
         # over the data than between them
@@ -520,10 +528,10 @@ class _LocalBatchNormAct(torch.autograd.Function):
         b = torch.zeros_like(invstd) if bias is None else bias.detach()
         scale, reciprocal = w * w * invstd, w.reciprocal()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dy, free = _grad_in_layout(dy, y, refs)
+        dy, own_copy = _grad_in_layout(dy, y)
         if ctx.activation == "leaky_relu":
             z = F.leaky_relu(y, 1.0 / ctx.param)
-            if free:  # dz over dy: one buffer fewer
+            if own_copy:  # dz over this call's own copy of dy: one buffer fewer
                 dz = torch.ops.aten.leaky_relu_backward.grad_input(dy, y, ctx.param, True, grad_input=dy)
             else:
                 dz = torch.ops.aten.leaky_relu_backward(dy, y, ctx.param, True)
@@ -535,222 +543,43 @@ class _LocalBatchNormAct(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-# ---- may the input be overwritten? ---------------------------------------------------
-
-
-class _RefProbe(nn.Module):
-    """Measures, at its first statement, what SyncBatchNormAct.forward measures at its."""
-
-    def forward(self, input):
-        refs = sys.getrefcount(input)
-        frame = sys._getframe(1)
-        self.seen = (refs, frame.f_code, frame.f_back.f_code, frame.f_back.f_back.f_code)
-        del frame
-        return input
-
-
-class _Fresh(nn.Module):
-    def forward(self, input):
-        return torch.empty(0)
-
-
-class _Keep(nn.Module):
-    def forward(self, input):
-        self.kept = torch.empty(0)
-        return self.kept
-
-
-def _probe_temporary(probe):
-    probe(torch.empty(0))
-    return probe.seen
-
-
-def _probe_held(probe):
-    held = torch.empty(0)
-    probe(held)
-    return probe.seen
-
-
-def _measure_call_path():
-    """Reference counts of a layer's input seen at the top of ``forward`` on the plain
-    ``Module.__call__`` path: for a temporary, and for the output of the previous layer
-    of an ``nn.Sequential``. Each is checked against the same situation with one more
-    holder; if the two cannot be told apart, in-place is off (returns None)."""
-    probe = _RefProbe()
-    temporary, call_impl, wrapped, _ = _probe_temporary(probe)
-    held = _probe_held(probe)[0]
-    nn.Sequential(_Fresh(), probe)(torch.empty(0))
-    sequential, seq_impl, seq_wrapped, seq_code = probe.seen
-    nn.Sequential(_Keep(), probe)(torch.empty(0))
-    seq_held = probe.seen[0]
-    if seq_code is not nn.Sequential.forward.__code__:
-        return None
-    if not (held > temporary and seq_held > sequential):
-        return None
-    if seq_impl is not call_impl or seq_wrapped is not wrapped:
-        return None
-    return {"temporary": temporary, "sequential": sequential, "call_impl": call_impl,
-            "wrapped": wrapped, "sequential_code": seq_code}
-
-
-_CALL_PATH = []  # [measurement or None], filled at first use
-
-
-def _call_path():
-    if not _CALL_PATH:
-        try:
-            _CALL_PATH.append(_measure_call_path())
-        except Exception:  # an unusual interpreter: never overwrite
-            _CALL_PATH.append(None)
-    return _CALL_PATH[0]
-
-
-_MODULE_HOOKS = (
-    "_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks",
-)
-
-
-def _has_module_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_impl
-
-    if module._backward_hooks or module._backward_pre_hooks or module._forward_hooks or module._forward_pre_hooks:
-        return True
-    return any(getattr(module_impl, name, True) for name in _MODULE_HOOKS)
-
-
-def _storage_users(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_FRESH_COUNTS = []  # [(TensorImpl users, storage users)] of a fresh tensor
-
-
-def _fresh_counts():
-    if not _FRESH_COUNTS:
-        t = torch.empty(1)
-        _FRESH_COUNTS.append((t._use_count(), _storage_users(t)))
-    return _FRESH_COUNTS[0]
-
-
-def _can_overwrite(module: nn.Module, x: Tensor, refs) -> bool:
-    """True when no one but this call can read ``x`` after it (see the module docstring)."""
-    if refs is None or type(x) is not torch.Tensor:
-        return False
-    if x.requires_grad and x.is_leaf:
-        return False
-    if x._is_view() or not x.is_contiguous(memory_format=stats.memory_format(x)) or x.retains_grad:
-        return False
-    if x.is_inference() and not torch.is_inference_mode_enabled():
-        return False
-    if getattr(x, "_backward_hooks", None) or weakref.getweakrefs(x):
-        return False
-    if torch._C._functorch.is_functorch_wrapped_tensor(x) or x.device.type == "meta":
-        return False
-    impl_users, storage_users = _fresh_counts()
-    if x._use_count() > impl_users or _storage_users(x) > storage_users:
-        return False
-    if _has_module_hooks(module):
-        return False
-    path = _call_path()
-    if path is None:
-        return False
-    frame = sys._getframe(2)  # forward's caller: Module._call_impl
-    try:
-        if frame.f_code is not path["call_impl"] or frame.f_back.f_code is not path["wrapped"]:
-            return False
-        caller = frame.f_back.f_back.f_code
-    finally:
-        del frame
-    limit = path["sequential"] if caller is path["sequential_code"] else path["temporary"]
-    return refs <= limit
-
-
-# ---- may the incoming gradient be overwritten? ----------------------------------------
-
-
-class _GradProbe(torch.autograd.Function):
-    """Measures, at the first statement of its backward, what the layer's backward
-    measures at its: the reference counts of the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        refs = sys.getrefcount(dy)
-        _GRAD_PROBE_SEEN.append((refs, dy._use_count(), _storage_users(dy)))
-        return dy.clone()
-
-
-_GRAD_PROBE_SEEN = []
-_GRAD_BASELINE = []  # [(Python refs, TensorImpl users, storage users) of a gradient no one else holds, or None]
-
-
-def _measure_grad_baseline():
-    """The counts of an incoming gradient that nothing but the engine and the call hold
-    (the fresh output of the next node's backward), checked against the same gradient
-    held by the caller, and against one that another node still has to read: None when
-    either cannot be told apart from the free one."""
-    x = torch.zeros(3, requires_grad=True)
-    with torch.enable_grad():
-        _GRAD_PROBE_SEEN.clear()
-        (_GradProbe.apply(x) * 2.0).sum().backward()
-        free = _GRAD_PROBE_SEEN[-1]
-        held = torch.ones(3)
-        _GradProbe.apply(x).backward(held)
-        caller = _GRAD_PROBE_SEEN[-1]
-        other = x * 3.0  # its node runs after the probe's: it still holds the shared gradient
-        ((_GradProbe.apply(x) + other) * 2.0).sum().backward()
-        shared = _GRAD_PROBE_SEEN[-1]
-    _GRAD_PROBE_SEEN.clear()
-    distinct = lambda seen: any(a > b for a, b in zip(seen, free))  # noqa: E731
-    return free if distinct(caller) and distinct(shared) else None
-
-
-_GRAD_BASELINE_LOCK = threading.Lock()  # data-parallel threads may run their first forwards at once
-
-
-def _grad_baseline(measure: bool = False):
-    """The measurement above, taken once, at a training forward (never inside a backward
-    pass, where the engine's nesting could change the counts)."""
-    if not _GRAD_BASELINE and measure:
-        with _GRAD_BASELINE_LOCK:
-            if not _GRAD_BASELINE:
-                try:
-                    _GRAD_BASELINE.append(_measure_grad_baseline())
-                except Exception:  # an unusual interpreter or autograd build: never overwrite
-                    _GRAD_BASELINE.append(None)
-    return _GRAD_BASELINE[0] if _GRAD_BASELINE else None
-
-
-def _grad_is_free(dy: Tensor, refs: int) -> bool:
-    """True when the gradient handed to a backward call can be overwritten: a plain,
-    non-view tensor that needs no grad, which nothing but the engine and this call
-    holds (``refs`` is its Python reference count taken at the first statement of the
-    backward). A gradient that the caller passed in (``y.backward(g)``,
-    ``autograd.grad(..., g)``), that a hook keeps, or that the engine still owes
-    another node (``a + b``: both sides get the same tensor) has more holders than the
-    baseline measured by :func:`_measure_grad_baseline`."""
-    base = _grad_baseline()
-    if base is None or type(dy) is not torch.Tensor or dy.requires_grad or dy._is_view():
-        return False
-    if weakref.getweakrefs(dy) or torch._C._functorch.is_functorch_wrapped_tensor(dy) or _compiling():
-        return False
-    return refs <= base[0] and dy._use_count() <= base[1] and _storage_users(dy) <= base[2]
-
-
-def _grad_in_layout(dy: Tensor, y: Tensor, refs: int):
-    """``(dy in y's memory format, whether it may be overwritten)``: a copy made here is
-    this call's own; the tensor as it came needs :func:`_grad_is_free`."""
+def _grad_in_layout(dy: Tensor, y: Tensor):
+    """``(dy in y's memory format, whether that is a copy made here)``: only such a copy
+    may be overwritten; autograd's own gradient never is."""
     laid_out = dy.contiguous(memory_format=stats.memory_format(y))
-    return laid_out, laid_out is not dy or _grad_is_free(dy, refs)
+    return laid_out, laid_out is not dy
 
 
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def _under_transform(*tensors) -> bool:
+    """Whether any of ``tensors`` is a forward-mode dual tensor or a ``torch.func``
+    transform's wrapper (only to name the layer in an error; nothing else depends on it)."""
+    from torch.autograd import forward_ad
+
+    functorch = getattr(torch._C, "_functorch", None)
+    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+    for t in tensors:
+        if t is None:
+            continue
+        if wrapped is not None and wrapped(t):
+            return True
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
+def _eval_buffers(running_mean, running_var, needs_grad: bool):
+    """The running buffers for an eval-mode call: copies when a gradient may be asked
+    for, so a later training forward (which updates the buffers in place) cannot change
+    what this call's backward reads; the buffers themselves otherwise."""
+    if not needs_grad:
+        return running_mean, running_var
+    return (None if running_mean is None else running_mean.clone(),
+            None if running_var is None else running_var.clone())
 
 
 class SyncBatchNormAct(_SyncNormBase):
@@ -773,10 +602,16 @@ class SyncBatchNormAct(_SyncNormBase):
             ignored by identity. Default 0.01 for both.
         eps, momentum, affine, track_running_stats, process_group, device, dtype: as
             :class:`syncbn.SyncBatchNorm`. Keyword-only ``bias=False`` drops the shift.
+        inplace: keyword-only, default False. True writes the training output over the
+            input (as ``torch.nn.LeakyReLU(inplace=True)``; declared to autograd, so an
+            input that something else still needs raises at backward). It saves one
+            activation-sized allocation at the forward peak, not in what is kept for
+            backward.
 
     Shapes: input (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the same
-    shape and memory format, often the very input tensor (see "In place" in the module
-    docs). The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
+    shape and memory format (with ``inplace=True`` in training, the input tensor itself).
+    The ``state_dict`` is that of ``torch.nn.BatchNorm2d``. Higher-order gradients,
+    ``torch.func`` transforms and forward-mode AD raise in training (see the module docs).
     """
 
     def __init__(
@@ -793,19 +628,32 @@ class SyncBatchNormAct(_SyncNormBase):
         dtype=None,
         *,
         bias: bool = True,
+        inplace: bool = False,
     ) -> None:
         activation, activation_param = _check_activation(activation, activation_param)
+        if not isinstance(inplace, bool):
+            raise TypeError(f"SyncBatchNormAct: inplace must be True or False, got {inplace!r}")
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, bias=bias
         )
         self.activation = activation
         self.activation_param = activation_param
+        self.inplace = inplace
 
     def forward(self, input: Tensor) -> Tensor:
-        refs = None if _compiling() else sys.getrefcount(input)  # first: nothing else may hold it yet
         self._check_input_dim(input)
+        guard = self.__dict__.get("_syncbn_fusion_guard")
+        if guard is not None:  # set by fuse_batchnorm_act: the traced model still holds
+            guard()
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         local_plain = not (bn_training and self.training)  # eval: running or local batch stats
+        if not local_plain and _under_transform(input, self.weight, self.bias):
+            raise RuntimeError(
+                "SyncBatchNormAct: torch.func transforms and forward-mode AD are not supported in "
+                "training mode (the backward pass is rebuilt from the output by a custom autograd "
+                "Function). Put the layer in eval mode, or use syncbn.revert_sync_batchnorm(model) "
+                "to get BatchNorm + activation modules for this computation."
+            )
         syncing = not local_plain and distributed.group_size(self.process_group) > 1
         if not syncing and input.numel() == 0:
             local_plain = True  # an empty batch on one process: as torch.nn does it
@@ -821,15 +669,17 @@ class SyncBatchNormAct(_SyncNormBase):
         if local_plain:
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
+            if not bn_training:
+                needs_grad = torch.is_grad_enabled() and any(
+                    t is not None and t.requires_grad for t in (input, self.weight, self.bias))
+                running_mean, running_var = _eval_buffers(running_mean, running_var, needs_grad)
             out = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, momentum, self.eps)
             return _activate_(out, self.activation, self.activation_param)
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
-        inplace = _can_overwrite(self, input, refs)
-        if not _GRAD_BASELINE and not again and torch.is_grad_enabled() and refs is not None \
-                and type(input) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(input):
-            _grad_baseline(measure=True)  # once, here: never inside a backward pass, a transform or compile
-        if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param):
+        inplace = self.inplace and input.is_contiguous(memory_format=stats.memory_format(input))
+        if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param,
+                                              self.eps):
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
             return _LocalBatchNormAct.apply(
@@ -849,6 +699,8 @@ class SyncBatchNormAct(_SyncNormBase):
             f", eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
             f"track_running_stats={self.track_running_stats}"
         )
+        if self.inplace:
+            text += ", inplace=True"
         if self.process_group is not None:
             text += ", process_group=custom"
         return text

@@ -6,7 +6,10 @@ optimizer built before the conversion keeps working, and values, ``requires_grad
 device, dtype and the ``training`` flag are kept. A BatchNorm subclass that overrides
 ``forward`` (an activation or dropout after the normalization, as in timm's
 ``BatchNormAct2d``) is never replaced by a plain layer that would drop that behaviour:
-it is left as it is, with a warning naming it.
+it is left as it is, with a warning naming it, and so is a layer whose behaviour lives
+outside its parameters and buffers (a weight pruned with ``torch.nn.utils.prune`` or
+parametrized with ``torch.nn.utils.parametrize``, module or state-dict hooks): moving its
+tensors would silently drop that behaviour.
 
 :func:`fuse_batchnorm_act` goes one step further for memory: each batch norm followed
 directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct`.
@@ -15,6 +18,9 @@ directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import operator
 import warnings
 from collections import Counter
 
@@ -31,6 +37,16 @@ __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_ac
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _FORWARDS = {cls.forward for cls in _PLAIN_BN} | {_BatchNorm.forward}
 _REVERT_DEFAULT = nn.BatchNorm2d
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# per-module hooks that a move of the parameters and buffers into a new module would drop
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
+)
+_MISSING = object()
 
 
 def _is_plain(module: nn.Module) -> bool:
@@ -97,8 +113,11 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     Works in place on the children (like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``)
     and returns the root, which is a new module when the root itself is a BatchNorm.
     A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given.
+    A layer whose behaviour lives outside its parameters and buffers (a pruned or
+    parametrized weight, module hooks) is left as it is, with a warning naming it.
     """
     skipped = []
+    names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
 
     def swap(m: nn.Module) -> nn.Module:
         if not isinstance(m, _BatchNorm) or isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
@@ -108,6 +127,10 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
             return m
         if not _is_plain(m):
             skipped.append(f"{type(m).__module__}.{type(m).__qualname__} (it overrides forward)")
+            return m
+        why = _why_not_movable(m)
+        if why is not None:
+            skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
             return m
         return _synchronized(SyncBatchNorm, m, process_group)
 
@@ -132,11 +155,19 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     ``state_dict`` keys do not change); any other ``SyncBatchNormAct`` becomes
     ``nn.Sequential(BatchNorm, activation)`` (its keys gain a ``0.`` level).
     """
+    names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
+    skipped = []
     placeholders = [m for m in module.modules() if isinstance(m, _FusedActivation)]
     layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct)}
     restored = {id(p._syncbn_fused_into) for p in placeholders if id(p._syncbn_fused_into) in layers}
 
     def swap(m: nn.Module) -> nn.Module:
+        if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
+            why = _why_not_movable(m)
+            if why is not None:
+                skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
+                restored.discard(id(m))
+                return m
         if isinstance(m, _FusedActivation):
             return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
         if isinstance(m, SyncBatchNormAct):
@@ -148,7 +179,15 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             return m
         return _plain_batchnorm(m)
 
-    return _replace(module, swap)
+    # the layers first (a skipped fused layer keeps its placeholder), then the placeholders
+    module = _replace(module, lambda m: m if isinstance(m, _FusedActivation) else swap(m))
+    result = _replace(module, lambda m: swap(m) if isinstance(m, _FusedActivation) else m)
+    if skipped:
+        warnings.warn(
+            "syncbn.revert_sync_batchnorm left these layers as they are: " + "; ".join(sorted(set(skipped))),
+            stacklevel=2,
+        )
+    return result
 
 
 def _plain_batchnorm(m: nn.Module) -> nn.Module:
@@ -202,87 +241,283 @@ def _fusable_batchnorm(m: nn.Module) -> bool:
     return _is_plain(m) or (isinstance(m, SyncBatchNorm) and type(m).forward is SyncBatchNorm.forward)
 
 
-def _fuse(bn: nn.Module, act: nn.Module, spec, process_group):
+def _fuse(bn: nn.Module, act: nn.Module, spec, process_group, inplace: bool):
     """The SyncBatchNormAct replacing ``bn`` followed by ``act``, and act's placeholder."""
-    new = _synchronized(SyncBatchNormAct, bn, process_group, activation=spec[0], activation_param=spec[1])
+    new = _synchronized(
+        SyncBatchNormAct, bn, process_group, activation=spec[0], activation_param=spec[1], inplace=inplace
+    )
     return new, _FusedActivation(act, new)
 
 
-def _fuse_sequentials(root: nn.Module, process_group) -> int:
-    """Fuse (batch norm, activation) neighbours inside every ``nn.Sequential``."""
-    fused = 0
-    for seq in list(root.modules()):
-        if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
-            continue
-        items = list(seq._modules.items())
-        i = 0
-        while i + 1 < len(items):
-            (bn_name, bn), (act_name, act) = items[i], items[i + 1]
-            spec = _activation_spec(act) if bn is not None and act is not None else None
-            if spec is not None and _fusable_batchnorm(bn):
-                seq._modules[bn_name], seq._modules[act_name] = _fuse(bn, act, spec, process_group)
-                fused += 1
-                i += 2
-            else:
-                i += 1
-    return fused
+# ---- what tracing proves --------------------------------------------------------------
 
 
 class _LeafTracer(torch.fx.Tracer):
     """Symbolic tracer that stops at batch norms and activations."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (_BatchNorm, nn.LeakyReLU, nn.ELU, nn.Identity, nn.ReLU)):
+        if isinstance(m, (_BatchNorm, nn.LeakyReLU, nn.ELU, nn.Identity, nn.ReLU, _FusedActivation)):
             return True
         return super().is_leaf_module(m, qualname)
 
 
-def _fuse_traced(root: nn.Module, process_group) -> int:
-    """Fuse the pairs that ``torch.fx`` sees in ``root``'s forward: a batch-norm module
-    whose one use feeds only an activation module. Where ``root`` does not trace, its
-    children are tried one by one."""
-    if not any(True for _ in root.children()) or isinstance(root, (_BatchNorm, _FusedActivation)):
-        return 0
-    if isinstance(root, torch.jit.ScriptModule):  # compiled code: nothing to rewire
-        return 0
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = _LeafTracer().trace(root)
-    except Exception:  # untraceable forward: try the children on their own
-        return sum(_fuse_traced(child, process_group) for child in root.children())
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
-    # modules registered under more than one name could be called by a name fx does not
-    # report; leave them alone
+
+def _plain_value(value) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain_value(v) for v in value)
+    return type(value) in _PLAIN_VALUES
+
+
+class _Reads:
+    """What the traced forwards did with their modules' Python attributes, which the
+    graph does not show: ``values`` the plain values read (flags: a branch taken on one
+    of them may read a layer's output another time, so the fused layer checks they still
+    hold), ``escapes`` the modules that stored a traced value in an attribute or read a
+    mutable container (a traced value kept there would be read outside the graph)."""
+
+    def __init__(self):
+        self.values = {}  # (id(module), name) -> (module, name, value)
+        self.escapes = {}  # id(module) -> reason
+
+    @contextlib.contextmanager
+    def recording(self, modules):
+        """Context in which ``modules`` (instances) report their attribute reads and
+        writes: each gets, for the duration, a subclass of its own class that records."""
+        classes, swapped = {}, []
+        try:
+            for m in modules:
+                cls = type(m)
+                if cls not in classes:
+                    classes[cls] = self._recording_class(cls)
+                object.__setattr__(m, "__class__", classes[cls])
+                swapped.append((m, cls))
+            yield
+        finally:
+            for m, cls in swapped:
+                object.__setattr__(m, "__class__", cls)
+
+    def _recording_class(self, cls):
+        reads = self
+
+        def __getattribute__(obj, name):
+            value = super(sub, obj).__getattribute__(name)
+            if not name.startswith("_") and name != "training":
+                if _plain_value(value):
+                    reads.values.setdefault((id(obj), name), (obj, name, value))
+                elif isinstance(value, (list, dict, set, bytearray)):
+                    reads.escapes.setdefault(id(obj), f"its forward reads the mutable attribute {name!r}")
+            return value
+
+        def __setattr__(obj, name, value):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            if isinstance(value, torch.fx.Proxy) or any(isinstance(v, torch.fx.Proxy) for v in items):
+                reads.escapes.setdefault(id(obj), f"its forward stores a traced value in attribute {name!r}")
+            super(sub, obj).__setattr__(name, value)
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return sub
+
+
+def _trace(root: nn.Module, training: bool):
+    """``root``'s forward traced by torch.fx with every module in ``training`` mode (the
+    modes are restored after), and the :class:`_Reads` of the modules traced through."""
+    modes = [(m, m.training) for m in root.modules()]
+    tracer = _LeafTracer()
+    reads = _Reads()
+    inner = [m for name, m in root.named_modules() if not tracer.is_leaf_module(m, name)]
+    try:
+        root.train(training)
+        with warnings.catch_warnings(), reads.recording(inner):
+            warnings.simplefilter("ignore")
+            graph = tracer.trace(root)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return graph, reads
+
+
+# in-place forms that torch.fx records as the plain operator (``a += b`` is ``add``)
+_MAYBE_AUGMENTED = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.matmul, operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+}
+# results that share the argument's memory: an in-place change to them changes it too
+_VIEW_METHODS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t", "squeeze",
+    "unsqueeze", "narrow", "select", "expand", "expand_as", "contiguous", "chunk", "split", "unbind", "detach",
+    "movedim", "swapaxes", "diagonal", "unfold", "as_strided", "to", "type_as", "float", "double", "half",
+    "bfloat16", "__getitem__",
+}
+_VIEW_FUNCTIONS = {
+    operator.getitem, torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+    torch.chunk, torch.split, torch.unbind, torch.narrow, torch.select, torch.movedim, torch.t, torch.detach,
+}
+_VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, _FusedActivation)
+# producers whose output is a fresh tensor that they do not keep for their own backward
+_FRESH_PRODUCERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                    nn.Linear)
+
+
+def _inplace_flag(target, args, kwargs) -> bool:
+    """Whether a call of the function ``target`` passes ``inplace=True``."""
+    if kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(target).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _changed_in_place(root: nn.Module, node) -> str | None:
+    """How the graph may change ``node``'s value in place (directly or through a view),
+    or None: the fused layer keeps its output for backward, which such a change breaks."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            first = bool(user.args) and user.args[0] is n
+            if user.op == "call_function":
+                name = getattr(user.target, "__name__", "")
+                if first and user.target in _MAYBE_AUGMENTED:
+                    return f"{name} (torch.fx records ``out += ...`` as ``out + ...``)"
+                if first and name.endswith("_") and not name.endswith("__"):
+                    return name
+                if _inplace_flag(user.target, user.args, user.kwargs):
+                    return f"{name}(..., inplace=True)"
+                if user.target in _VIEW_FUNCTIONS:
+                    todo.append(user)
+            elif user.op == "call_method":
+                if first and user.target.endswith("_") and not user.target.endswith("__"):
+                    return f".{user.target}()"
+                if first and user.target in _VIEW_METHODS:
+                    todo.append(user)
+            elif user.op == "call_module":
+                m = root.get_submodule(user.target)
+                if getattr(m, "inplace", False) is True:
+                    return f"{user.target} (inplace=True)"
+                if isinstance(m, _VIEW_MODULES):
+                    todo.append(user)
+    return None
+
+
+def _why_not_movable(m: nn.Module, what: str = "its state") -> str | None:
+    """Why ``m``'s behaviour would not survive moving its parameters and buffers into a
+    new module (pruned or parametrized weights, hooks, extra state), or None."""
+    from torch.nn.utils import parametrize, prune
+
+    if parametrize.is_parametrized(m):
+        return "it is parametrized (torch.nn.utils.parametrize)"
+    if any(isinstance(h, prune.BasePruningMethod) for h in m._forward_pre_hooks.values()):
+        return "it is pruned (torch.nn.utils.prune)"
+    hooks = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)]
+    if hooks:
+        return f"it has hooks ({', '.join(hooks)})"
+    if "forward" in m.__dict__:
+        return "its forward is replaced on the instance"
+    extra = sorted((set(m._parameters) - {"weight", "bias"}) | (set(m._buffers) - set(_BN_BUFFERS)))
+    if extra:
+        return f"it holds other parameters or buffers ({', '.join(extra)})"
+    return None
+
+
+def _global_hooks() -> list:
+    from torch.nn.modules import module as module_impl
+
+    return [name.strip("_") for name in _GLOBAL_HOOKS if getattr(module_impl, name, None)]
+
+
+def _ancestors(name: str):
+    """The qualified names of the modules that contain ``name`` (root "" included)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def _pairs_in(root: nn.Module, graph, reads: _Reads):
+    """From one traced mode: ``({bn_name: (act_name, spec, input_fresh, guard)}, {bn_name: reason})``
+    for every batch-norm call that feeds an invertible activation module."""
     registrations = Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
     calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
-    pairs = []
+    names = {id(m): name for name, m in root.named_modules()}
+    pairs, refused = {}, {}
     for node in graph.nodes:
-        if node.op != "call_module" or calls[node.target] != 1:
+        if node.op != "call_module" or not isinstance(root.get_submodule(node.target), _BatchNorm):
             continue
+        if isinstance(root.get_submodule(node.target), SyncBatchNormAct):
+            continue  # fused already
         bn = root.get_submodule(node.target)
-        if not _fusable_batchnorm(bn) or registrations[id(bn)] != 1 or len(node.users) != 1:
-            continue
-        (user,) = node.users
-        if user.op != "call_module" or tuple(user.args) != (node,) or user.kwargs:
-            continue
+        acts = [u for u in node.users if u.op == "call_module"
+                and _activation_spec(root.get_submodule(u.target)) is not None]
+        if not acts:
+            continue  # not followed by an invertible activation: nothing to say
+        (user, *_) = acts
         act = root.get_submodule(user.target)
-        spec = _activation_spec(act)
-        if spec is None or registrations[id(act)] != 1:
+        reason = None
+        if not _fusable_batchnorm(bn):
+            reason = "its class overrides forward" if not isinstance(bn, _LazyNormBase) else "it is uninitialized"
+        reason = reason or _why_not_movable(bn)
+        if reason is None and (registrations[id(bn)] != 1 or calls[node.target] != 1):
+            reason = "it is registered or called more than once"
+        if reason is None and len(node.users) != 1:
+            others = sorted(u.name for u in node.users if u is not user)
+            reason = f"its output is also read by {', '.join(others)}"
+        if reason is None and (tuple(user.args) != (node,) or user.kwargs):
+            reason = f"its activation {user.target} takes other arguments"
+        if reason is None and registrations[id(act)] != 1:
+            reason = f"its activation {user.target} is registered more than once"
+        if reason is None:
+            why = _why_not_movable(act)
+            reason = None if why is None else f"its activation {user.target}: {why}"
+        if reason is None:
+            changed = _changed_in_place(root, user)
+            reason = None if changed is None else f"the activation's output may be changed in place by {changed}"
+        ancestors = _ancestors(node.target)
+        if reason is None:
+            for name in ancestors:
+                escape = reads.escapes.get(id(root.get_submodule(name)))
+                if escape is not None:
+                    reason = f"module {name or type(root).__name__!r}: {escape}"
+                    break
+        if reason is not None:
+            refused[node.target] = reason
             continue
-        pairs.append((node.target, user.target, act, spec))
-    # a shared activation module turns into an identity only if every call of it is fused
-    uses = Counter(act_name for _, act_name, _, _ in pairs)
-    pairs = [p for p in pairs if uses[p[1]] == calls[p[1]]]
+        source = node.args[0] if node.args else None
+        fresh = (
+            source is not None and getattr(source, "op", None) == "call_module" and len(source.users) == 1
+            and type(root.get_submodule(source.target)) in _FRESH_PRODUCERS
+            and _why_not_movable(root.get_submodule(source.target)) is None
+        )
+        inside = set(ancestors)
+        guard = tuple(v for v in reads.values.values() if names.get(id(v[0])) in inside)
+        pairs[node.target] = (user.target, _activation_spec(act), fresh, guard)
+    return pairs, refused, calls
 
-    placeholders = {}
-    for bn_name, act_name, act, spec in pairs:
-        new, placeholder = _fuse(root.get_submodule(bn_name), act, spec, process_group)
-        _set_submodule(root, bn_name, new)
-        placeholders.setdefault(act_name, placeholder)
-    for act_name, placeholder in placeholders.items():
-        _set_submodule(root, act_name, placeholder)
-    return len(pairs)
+
+class _FusionGuard:
+    """Checks, at each call of a fused layer, that the plain attribute values the traced
+    forwards read still hold. Holds the modules themselves (not weak references), so
+    that ``copy.deepcopy`` and pickling of the model carry it over consistently."""
+
+    def __init__(self, entries):
+        self.entries = [(m, name, value) for m, name, value in entries]
+
+    def __call__(self):
+        for m, name, value in self.entries:
+            now = getattr(m, name, _MISSING)
+            if not (now is value or (type(now) is type(value) and now == value)):
+                raise RuntimeError(
+                    f"SyncBatchNormAct: {type(m).__name__}.{name} was {value!r} when fuse_batchnorm_act "
+                    f"traced the model and is now {'missing' if now is _MISSING else repr(now)}; the fused "
+                    "graph may no longer hold. Call syncbn.revert_sync_batchnorm(model) and fuse again."
+                )
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -291,9 +526,10 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     parent._modules[child] = new
 
 
-def fuse_batchnorm_act(module: nn.Module, process_group=None) -> nn.Module:
+def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool = True) -> nn.Module:
     """Fuse every batch norm directly followed by an invertible activation into one
-    :class:`syncbn.SyncBatchNormAct`, which keeps only its output for backward.
+    :class:`syncbn.SyncBatchNormAct`, which keeps only its output for backward, where
+    tracing proves the fusion computes what the model computed.
 
     Batch norms: ``torch.nn.BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and
     :class:`syncbn.SyncBatchNorm` (not subclasses that override ``forward``, nor
@@ -301,18 +537,27 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None) -> nn.Module:
     ``nn.ELU`` with a positive alpha, ``nn.Identity``. ``nn.ReLU`` (and slope 0) is not
     invertible: those pairs stay as they are, as does everything else.
 
-    Two passes, both in place on the children (the root is returned):
+    The whole model's ``forward`` is traced by ``torch.fx``, once with every module in
+    training mode and once in eval mode (the modes are restored). A pair is fused only
+    when both traces show it: a batch-norm module called once whose output is read by
+    nothing but the activation module, every call of which is such a pair; and neither is
+    pruned, parametrized or hooked. It is skipped, with a warning naming it and why, when
+    any of that fails, when the activation's output may be changed in place (an in-place
+    method, a module or function with ``inplace=True``, or ``out += x``, which torch.fx
+    cannot tell from ``out + x``: write ``x + out``), or when a module around it stores a
+    traced value in an attribute or reads a mutable container attribute in ``forward``
+    (a value kept there is read outside the graph). Plain attribute values that the
+    traced forwards read (flags, modes) are recorded; the fused layer raises a
+    ``RuntimeError`` naming the attribute if one of those around it changes later. A
+    model that does not trace (data-dependent control flow, ...) is left as it is, with
+    a warning: a part traced alone could be tapped by the code around it. Tracing runs
+    ``forward`` twice with symbolic values: Python side effects in a ``forward`` happen
+    twice more. Activations applied as functions (``F.leaky_relu(self.bn(x))``) stay.
 
-    1. inside every ``nn.Sequential`` (and subclasses that keep its ``forward``), each
-       batch norm immediately followed by such an activation;
-    2. ``torch.fx`` symbolic tracing of the model's ``forward``, for pairs written in a
-       custom ``forward`` (``self.act(self.bn(x))``): a batch-norm module called once,
-       whose output feeds nothing but an activation module, every call of which is such
-       a pair. Where the model does not trace (data-dependent control flow, ...), its
-       children are traced one by one, and what traces nowhere is left to pass 1:
-       failures are silent. Tracing runs ``forward`` once with symbolic values: Python
-       side effects in a ``forward`` happen once more. Activations applied as functions
-       (``F.leaky_relu(self.bn(x))``) cannot be fused without rewriting code and stay.
+    With ``inplace=True`` (the default) a fused layer writes its output over its input
+    when both traces show that input to be the fresh output of a convolution or linear
+    module without hooks that nothing else reads (one activation-sized allocation less
+    at the forward peak; saved memory is the same either way); ``inplace=False`` never.
 
     The batch norm is replaced by the fused layer (same parameter and buffer tensors,
     same ``state_dict`` keys) and the activation by an identity placeholder, so the
@@ -320,6 +565,65 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None) -> nn.Module:
     :func:`revert_sync_batchnorm` restores both. The fused layer is synchronized over
     ``process_group`` (default: the default group; a ``SyncBatchNorm`` keeps its own).
     """
-    _fuse_sequentials(module, process_group)
-    _fuse_traced(module, process_group)
+    hooks = _global_hooks()
+    if hooks:
+        warnings.warn(
+            f"syncbn.fuse_batchnorm_act: nothing fused: global module hooks are registered ({', '.join(hooks)}), "
+            "and they would see a fused batch norm's output activated",
+            stacklevel=2,
+        )
+        return module
+    if not any(True for _ in module.children()) or isinstance(module, (_BatchNorm, _FusedActivation)):
+        return module
+    if isinstance(module, torch.jit.ScriptModule):  # compiled code: nothing to rewire
+        return module
+    found = []
+    for training in (True, False):
+        try:
+            graph, reads = _trace(module, training)
+        except Exception as exc:  # untraceable: nothing can be proved
+            warnings.warn(
+                f"syncbn.fuse_batchnorm_act: nothing fused: torch.fx cannot trace "
+                f"{type(module).__qualname__} in {'training' if training else 'eval'} mode "
+                f"({type(exc).__name__}: {exc}); a model is fused only where its whole forward traces",
+                stacklevel=2,
+            )
+            return module
+        found.append(_pairs_in(module, graph, reads))
+    (train_pairs, train_refused, train_calls), (eval_pairs, eval_refused, eval_calls) = found
+    refused = {**eval_refused, **train_refused}
+    pairs = {}
+    for bn_name, (act_name, spec, fresh, guard) in train_pairs.items():
+        other = eval_pairs.get(bn_name)
+        if bn_name in refused:
+            continue
+        if other is None or other[0] != act_name:
+            refused[bn_name] = "the eval-mode trace does not show the same pair"
+            continue
+        pairs[bn_name] = (act_name, spec, fresh and other[2], guard + other[3])
+    for bn_name in eval_pairs:
+        if bn_name not in train_pairs and bn_name not in refused:
+            refused[bn_name] = "the training-mode trace does not show the same pair"
+    # a shared activation module turns into an identity only if every call of it is fused
+    uses = Counter(act_name for act_name, *_ in pairs.values())
+    for bn_name, (act_name, *_) in list(pairs.items()):
+        if uses[act_name] != train_calls[act_name] or uses[act_name] != eval_calls[act_name]:
+            refused[bn_name] = f"its activation {act_name} is also called where it cannot be fused"
+            del pairs[bn_name]
+    if refused:
+        warnings.warn(
+            "syncbn.fuse_batchnorm_act left these batch norms unfused: "
+            + "; ".join(f"{name} ({why})" for name, why in sorted(refused.items())),
+            stacklevel=2,
+        )
+    placeholders = {}
+    for bn_name, (act_name, spec, fresh, guard) in pairs.items():
+        act = module.get_submodule(act_name)
+        new, placeholder = _fuse(module.get_submodule(bn_name), act, spec, process_group, inplace and fresh)
+        if guard:
+            new.__dict__["_syncbn_fusion_guard"] = _FusionGuard(guard)
+        _set_submodule(module, bn_name, new)
+        placeholders.setdefault(act_name, placeholder)
+    for act_name, placeholder in placeholders.items():
+        _set_submodule(module, act_name, placeholder)
     return module

@@ -31,33 +31,25 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import distributed, stats
+from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "check_input", "recomputing"]
+__all__ = ["sync_batch_norm", "check_input", "recomputing", "refuse_create_graph"]
 
 
-def recomputing() -> bool:
-    """True while the autograd engine is running a backward pass in this thread.
-
-    A training-mode forward that runs then is an activation-checkpoint recomputation
-    (``torch.utils.checkpoint``, reentrant or not, recomputes from inside the backward
-    pass). Such a forward must produce the same output as the first one, which it does
-    (the batch statistics are recomputed, with the same collective on every rank), but
-    must not move the running statistics a second time: the layers then hand copies of
-    their buffers to the kernels (not None, which would change what the kernels save for
-    backward, and non-reentrant checkpointing checks that the recomputation saves the
-    same tensors). Under ``torch.compile`` this is False: there the compiler plans the
-    recomputation itself; it applies buffer mutations once per forward and may replay
-    the forward all-reduce in backward, on every rank alike (checked with a
-    checkpointed block compiled with ``fullgraph=True``: same buffers and gradients as
-    eager without checkpointing).
-    """
-    if distributed.compiling():
-        return False
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+def refuse_create_graph(name: str) -> None:
+    """Raise, naming the layer, when autograd runs a backward pass with
+    ``create_graph=True`` (grad mode is then on inside ``backward``): the synchronized
+    backward passes are not differentiable, and a gradient built without a graph would
+    silently drop every second-order term, even when the incoming gradient is a constant."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: higher-order gradients are not supported (a backward pass with "
+            "create_graph=True reached the layer: gradient penalty, hessian, double backward). "
+            "Use torch.nn batch norm for that computation (syncbn.revert_sync_batchnorm), or "
+            "keep the layer out of the differentiated graph."
+        )
 
 
 # The local moments come from a native kernel that torch 2.13 cannot trace with fake
@@ -168,8 +160,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
+        refuse_create_graph("SyncBatchNorm")
         x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy = dy.contiguous(memory_format=stats.memory_format(x))
@@ -215,7 +207,7 @@ def sync_batch_norm(
     one element per channel raises ``ValueError`` on every rank (under ``torch.compile``,
     a ``RuntimeError`` from an assert inside the compiled graph, see ``_check_count``).
 
-    A training call recomputed by activation checkpointing during the backward pass
+    A training call recomputed by :func:`syncbn.checkpoint` during the backward pass
     (see :func:`recomputing`) normalizes as the first call did and leaves the running
     buffers alone, so they are updated once per step, as without checkpointing.
     """
