@@ -45,7 +45,7 @@ def test_quick_writes_every_output(quick):
     assert rep["meta"]["quick"] is True and rep["plan"]["quick"] is True
     assert rep["errors"] == {}, json.dumps(rep["errors"], indent=1)[:4000]
     # every bar is printed as a pass/fail/n.a. line, none is asserted here
-    assert len(rep["bars"]) == 7
+    assert len(rep["bars"]) == 8
     for bar in rep["bars"]:
         assert bar["passed"] in (True, False, None) and bar["figure"]
         assert bar["bar"] in stdout
@@ -90,6 +90,11 @@ def test_quick_numerics_and_memory(quick):
     by_impl = {r["impl"]: r for r in rep["numerics"]["rows"]}
     for key in ("syncbn", "naive_float32", "torch_bn_one_process"):
         assert sorted(by_impl[key]["errors"]) == sorted(offsets)
+    spec = rep["plan"]["large_planes"]
+    large = rep["numerics"]["large_planes"]
+    assert len(large) == len(spec["shapes"]) * len(spec["offsets"]) * len(spec["worlds"])
+    for row in large:  # the figures come back finite (the bar compares them; see test_stats for bounds)
+        assert all(0 <= row[k] < 1 for k in ("syncbn_var", "syncbn_out", "torch_bn_var")), row
     mem = rep["memory"]
     assert {b["block"] for b in mem["blocks"] if b["available"]} >= {
         "torch.nn.BatchNorm2d + LeakyReLU", "syncbn.SyncBatchNorm + LeakyReLU"}
@@ -115,7 +120,7 @@ def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     rep = runner.run_bench(make_plan(quick=True), tmp_path, say=notes.append)
     assert {s["peer"] for s in rep["skipped"]} == set(PEERS)
     assert rep["runs"] == [] and rep["timing"]["rows"] == []
-    assert len(rep["bars"]) == 7 and all(bar["passed"] is None for bar in rep["bars"])
+    assert len(rep["bars"]) == 8 and all(bar["passed"] is None for bar in rep["bars"])
     assert "skipped" in report.terminal(rep)
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
 

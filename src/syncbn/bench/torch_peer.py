@@ -204,6 +204,12 @@ def pool_numerics(spec: dict, world: int):
     return numerics.torch_variances(spec, world, _GROUPS[world])
 
 
+def pool_large_planes(spec: dict, world: int):
+    if dist.get_rank() >= world:
+        return None
+    return numerics.large_plane_errors(spec, world, _GROUPS[world])
+
+
 def pool_memory(spec: dict, world: int):
     if dist.get_rank() >= world:
         return None
@@ -254,7 +260,8 @@ def main(argv=None) -> int:
     section("floor", lambda: floor.copy_bandwidth(plan["copy_mib"], repeats=max(3, plan["repeats"])))
     section("local", lambda: local_timing(plan))
 
-    worlds = sorted(set(plan["worlds"]["torch"]) | set(plan["numerics"]["worlds"]) | {2})
+    worlds = sorted(set(plan["worlds"]["torch"]) | set(plan["numerics"]["worlds"])
+                    | set(plan["large_planes"]["worlds"]) | {2})
     from ..launch import WorkerPool
     # the jobs must pickle by their importable name, not as ``__main__.<job>``
     from . import torch_peer as jobs
@@ -278,6 +285,9 @@ def main(argv=None) -> int:
             for w in worlds if w >= 2 for c in plan["comm_channels"]])
         section("numerics", lambda: [
             {"world": w, "errors": pool.run(jobs.pool_numerics, plan["numerics"], w)[0]} for w in plan["numerics"]["worlds"]])
+        section("large_planes", lambda: [
+            row for w in plan["large_planes"]["worlds"]
+            for row in pool.run(jobs.pool_large_planes, plan["large_planes"], w)[0]])
     finally:
         if pool is not None:
             pool.close()
