@@ -18,6 +18,9 @@ resolution. Devices without float64 (Apple MPS) fall back to float32 sums.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +40,11 @@ __all__ = [
     "input_grad",
     "backward_sums_from_output",
     "input_grad_from_output",
+    "cuda_path",
+    "cuda_pack_moments",
+    "cuda_statistics",
+    "cuda_normalize",
+    "cuda_input_grad",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -92,7 +100,7 @@ def use_centered(x: torch.Tensor) -> bool:
     (8, 64, 56, 56), a relative error of the variance of 8e-6 at |mean| / std = 1 and
     8e-3 at 1e4, where the centered moments stay below 1e-7.
     Tiny planes and (N, C) inputs keep the native kernel."""
-    if x.device.type != "cpu" or x.dim() < 3:
+    if x.device.type != "cpu" or x.dim() < 3 or _FORCE_CUDA_PATH:
         return False
     if x.is_contiguous():
         return x.numel() // max(1, x.shape[0] * x.shape[1]) >= 16
@@ -348,3 +356,116 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
     shift = -a * (sum_dy / count)
     dx = affine(z.to(cdtype), bias, b, shift, out=z if overwrite_z and z.dtype == cdtype else None)
     return dx.addcmul_(dz, a.view(shape))
+
+
+# ---- the CUDA path -------------------------------------------------------------------
+# On a GPU a layer call is bounded by passes over activation-sized tensors and by kernel
+# launches (DESIGN.md). On CUDA the synchronized layer takes torch's one-pass statistics
+# kernel, C-sized operations with no host read, and torch's own SyncBatchNorm kernels to
+# normalize and for the input gradient: 3 passes forward (read x; read x, write y) and 5
+# backward (read dy and x; read dy and x, write dx), as torch.nn.SyncBatchNorm.
+#
+# ``_FORCE_CUDA_PATH`` (tests and ``syncbn bench`` only) sends CPU tensors down the same
+# path, so that its operations can be counted and checked on a machine without a GPU.
+# Two of its kernels exist only on CUDA; on the CPU each is replaced by a stand-in
+# custom operator with the same inputs and output (one recorded operation, as the CUDA
+# kernel is one launch), built from the portable formulas above.
+_FORCE_CUDA_PATH = False
+
+
+@contextlib.contextmanager
+def _forced_cuda_path():
+    """Within the block, CPU tensors take the CUDA path (private: tests and the bench)."""
+    global _FORCE_CUDA_PATH
+    before, _FORCE_CUDA_PATH = _FORCE_CUDA_PATH, True
+    try:
+        yield
+    finally:
+        _FORCE_CUDA_PATH = before
+
+
+def cuda_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the CUDA path (a CUDA tensor, or the private switch is on)."""
+    return x.device.type == "cuda" or _FORCE_CUDA_PATH
+
+
+def cuda_pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`pack_moments` from torch's one-pass statistics kernel and five C-sized
+    operations. No residual pass for the rounding of the mean: that rounding (about u
+    |m| in float32, u = 2^-24; a few times that from the kernel's float32 Welford
+    accumulation on CUDA) moves each rank's mean by ~u r std at |mean| / std = r, so it
+    reaches the merged variance squared, (u r)^2 relative (1e-8 at r = 1e4), and the
+    merged mean at ~u |mean|, the resolution of a float32 mean."""
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    if n == 0:
+        return torch.zeros(2 * channels + 1, dtype=dtype, device=x.device)
+    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    packed = torch.cat([mean.new_ones(1), mean, var]).to(dtype)  # [1, m, var]
+    m = packed[1 : channels + 1]
+    packed[channels + 1 :].addcmul_(m, m)  # [1, m, var + m^2]
+    return packed.mul_(n)
+
+
+def cuda_statistics(packed, channels, running_mean, running_var, momentum, eps, cdtype):
+    """From the summed packs: ``(mean, invstd, count)``, mean and inverse standard
+    deviation in ``cdtype`` (what the normalizing kernels take), the global count as a
+    0-d tensor; the running buffers are updated in place. Ten C-sized operations, no
+    host read (:func:`merge_moments` and :func:`update_running_stats` in fewer launches:
+    one ``_foreach_lerp_`` moves both buffers)."""
+    count = packed[0]
+    moments = packed[1:].view(2, channels) / count  # mean, E[x^2]
+    mean, var = moments[0], moments[1]
+    var.addcmul_(mean, mean, value=-1).clamp_min_(0)  # biased variance
+    rows = [mean, var]
+    if running_var is not None:
+        rows.append(torch.addcdiv(var, var, count - 1))  # unbiased: var * N / (N - 1)
+    stacked = torch.stack(rows).to(cdtype)
+    pairs = [(b, stacked[i]) for b, i in ((running_mean, 0), (running_var, 2)) if b is not None]
+    if pairs and not isinstance(momentum, torch.Tensor) and all(b.dtype == cdtype for b, _ in pairs):
+        torch._foreach_lerp_([b for b, _ in pairs], [v for _, v in pairs], momentum)
+    else:
+        with torch.no_grad():
+            for buffer, value in pairs:
+                buffer.lerp_(value.to(buffer.dtype), momentum)
+    invstd = (stacked[1] + eps).rsqrt_()
+    return stacked[0], invstd, count
+
+
+def _normalize_standin(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    shift = torch.zeros_like(mean) if bias is None else bias.to(mean.dtype)
+    return affine(x, mean, scale, shift).to(x.dtype)
+
+
+def _input_grad_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                        weight: Optional[torch.Tensor], sum_dy: torch.Tensor, sum_dy_xmu: torch.Tensor,
+                        count: torch.Tensor) -> torch.Tensor:
+    return input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu * invstd, count.sum())
+
+
+if hasattr(torch.library, "custom_op"):  # one opaque operation each, like the CUDA kernels
+    _normalize_standin = torch.library.custom_op("syncbn::batch_norm_elemt_standin", mutates_args=())(
+        _normalize_standin
+    )
+    _input_grad_standin = torch.library.custom_op("syncbn::batch_norm_backward_elemt_standin", mutates_args=())(
+        _input_grad_standin
+    )
+
+
+def cuda_normalize(x, weight, bias, mean, invstd) -> torch.Tensor:
+    """``(x - mean) * invstd * weight + bias``: ``torch.batch_norm_elemt`` (one pass)."""
+    if x.device.type == "cuda":
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, 0.0)
+    return _normalize_standin(x, weight, bias, mean, invstd)
+
+
+def cuda_input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count) -> torch.Tensor:
+    """:func:`input_grad` as ``torch.batch_norm_backward_elemt`` (one pass: read dy and
+    x, write dx), which takes ``sum dy * (x - mean)`` and integer per-rank counts."""
+    counts = count.to(torch.int32).view(1)
+    sum_dy_xmu = sum_dy_xhat / invstd
+    if x.device.type == "cuda":
+        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
+    return _input_grad_standin(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)

@@ -251,6 +251,37 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
     return bars
 
 
+CUDA_BAR = ("CUDA path (counted on the CPU with the CUDA choices forced): forward <= 3 activation-sized passes, "
+            "backward <= 5, kernel launches within torch.nn.SyncBatchNorm's + 4 each way, no host synchronisation")
+
+
+def _cuda_bar(counts: Optional[dict]) -> dict:
+    if not counts:
+        return _bar(CUDA_BAR, None, "not measured")
+    bars = counts["bars"]
+    ok = all(b["passes_ok"] and b["launches_ok"] and b["no_host_sync"] for b in bars.values())
+    figure = "; ".join(f"{way}: {b['worst']['passes']} passes, {b['worst']['launches']} launches "
+                       f"(torch.nn.SyncBatchNorm {counts['torch_syncbn'][way]['launches']}), "
+                       f"{b['worst']['host_syncs']} host syncs" for way, b in bars.items())
+    return _bar(CUDA_BAR, ok, figure)
+
+
+def _cuda_count_rows(report: dict) -> List[List[str]]:
+    """Per layer call: syncbn's counted CUDA path beside torch's read-off algorithms."""
+    counts = report.get("cuda_counts")
+    if not counts:
+        return []
+    cell = lambda c: f"{c['passes']} / {c['launches']} / {c['host_syncs']}"  # noqa: E731
+    rows = [[f"syncbn.SyncBatchNorm {tuple(r['shape'])} {r['layout']}", "counted", cell(r["forward"]),
+             cell(r["backward"])] for r in counts["syncbn"]]
+    for key, label in (("torch_syncbn", "torch.nn.SyncBatchNorm"), ("batchnorm2d", "torch.nn.BatchNorm2d")):
+        rows.append([label, "read off the source", cell(counts[key]["forward"]), cell(counts[key]["backward"])])
+    return rows
+
+
+CUDA_HEADER = ["layer call", "how", "forward passes / launches / host syncs", "backward passes / launches / host syncs"]
+
+
 def _large_plane_rows(report: dict) -> List[List[str]]:
     """One row per per-rank shape and offset: syncbn's variance and output error at each W
     beside BatchNorm2d's on the W = 2 batch (the W ranks' inputs in one process)."""
@@ -389,7 +420,8 @@ def build(plan: dict, raw: dict, meta: dict) -> dict:
         "communication": comm,
         "memory": torch_result.get("memory"),
         "numerics": num,
-        "bars": _bars(timing, comm, num, plan),
+        "cuda_counts": torch_result.get("cuda_counts"),
+        "bars": _bars(timing, comm, num, plan) + [_cuda_bar(torch_result.get("cuda_counts"))],
         "fused": _fused_figures(timing, torch_result.get("memory")),
         "skipped": raw["skipped"],
         "runs": raw["runs"],
@@ -492,6 +524,10 @@ def terminal(report: dict) -> str:
         out.append("")
         out.append("Large planes: relative error of the merged variance, output error in units of the std (float64 reference)")
         out += _table(_large_plane_header(report), _large_plane_rows(report))
+    if report.get("cuda_counts"):
+        out.append("")
+        out.append("CUDA path per layer call, one all-reduce each way (collectives not in the launches)")
+        out += _table(CUDA_HEADER, _cuda_count_rows(report))
     out.append("")
     out.append("Memory")
     out += _memory_lines(report, md=False)
@@ -558,6 +594,17 @@ def markdown(report: dict, images: List[str]) -> str:
                    "values. torch.nn.BatchNorm2d runs on the W ranks' inputs concatenated in one process.")
         out.append("")
         out += _md_table(_large_plane_header(report), _large_plane_rows(report))
+    if report.get("cuda_counts"):
+        out += ["", "## CUDA path: passes, launches, host synchronisations per layer call", ""]
+        out.append("syncbn's rows are counted: the layer runs on the CPU with its device-dependent choices forced to "
+                   "the CUDA ones, every dispatched operation recorded with its shapes (report.json lists them); the "
+                   "two CUDA-only kernels run as CPU stand-ins recorded as one operation each. torch's rows are read "
+                   "off their sources (torch.nn.SyncBatchNorm refuses CPU tensors): "
+                   f"{report['cuda_counts']['torch_syncbn']['source']}; under CUDA-graph capture it skips its "
+                   f"rank mask: {report['cuda_counts']['torch_syncbn']['forward']['launches_under_graph_capture']} "
+                   "launches and no host sync forward.")
+        out.append("")
+        out += _md_table(CUDA_HEADER, _cuda_count_rows(report))
     out += ["", "## Memory", ""] + _memory_lines(report, md=True)
     out += ["", "Fused BN + activation (syncbn.SyncBatchNormAct) against syncbn.SyncBatchNorm + LeakyReLU:", ""]
     out += [f"- {f['figure']}: {f['text']}" for f in report["fused"]]

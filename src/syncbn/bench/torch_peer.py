@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import communication, floor, memory, numerics
+from . import communication, cuda_counts, floor, memory, numerics
 from .timing import measure_interleaved
 
 _GROUPS = {}
@@ -210,6 +210,12 @@ def pool_large_planes(spec: dict, world: int):
     return numerics.large_plane_errors(spec, world, _GROUPS[world])
 
 
+def pool_cuda_counts(spec: dict):
+    if dist.get_rank() >= 2:
+        return None
+    return cuda_counts.layer_counts(spec, _GROUPS[2])
+
+
 def pool_memory(spec: dict, world: int):
     if dist.get_rank() >= world:
         return None
@@ -288,6 +294,7 @@ def main(argv=None) -> int:
         section("large_planes", lambda: [
             row for w in plan["large_planes"]["worlds"]
             for row in pool.run(jobs.pool_large_planes, plan["large_planes"], w)[0]])
+        section("cuda_counts", lambda: pool.run(jobs.pool_cuda_counts, plan["cuda_counts"])[0])
     finally:
         if pool is not None:
             pool.close()
