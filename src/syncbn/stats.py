@@ -391,11 +391,14 @@ def cuda_path(x: torch.Tensor) -> bool:
 
 def cuda_pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`pack_moments` from torch's one-pass statistics kernel and five C-sized
-    operations. No residual pass for the rounding of the mean: that rounding (about u
-    |m| in float32, u = 2^-24; a few times that from the kernel's float32 Welford
-    accumulation on CUDA) moves each rank's mean by ~u r std at |mean| / std = r, so it
-    reaches the merged variance squared, (u r)^2 relative (1e-8 at r = 1e4), and the
-    merged mean at ~u |mean|, the resolution of a float32 mean."""
+    operations. No residual pass for the rounding of the mean: that rounding, d ~ u r
+    std at |mean| / std = r (u = 2^-24; a few times that from the kernel's float32
+    Welford accumulation on CUDA), moves each rank's mean, so the merge sees the true
+    spread of the ranks' means (~1 / sqrt(n) std for n elements per rank) shifted by d:
+    the merged variance is off by about 2 d / sqrt(n) + d^2 relative (1e-6 at r = 1e4,
+    n = 2.6e5; 1e-4 only below n ~ 100 there), the merged mean by ~u |mean|, the
+    resolution of a float32 mean. torch.nn.SyncBatchNorm merges float32 means the same
+    way. The CPU path measures the rounding and adds it back (:func:`local_moments`)."""
     channels = x.shape[1]
     n = x.numel() // channels if channels else 0
     if n == 0:

@@ -67,7 +67,7 @@ def oracle_job(device: str) -> list:
                 w = torch.linspace(0.5, 2, 5, dtype=torch.float64)
                 b = torch.linspace(-1, 1, 5, dtype=torch.float64)
                 fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-                x = xs[rank].to(dev, dtype).contiguous(memory_format=fmt).requires_grad_()
+                x = xs[rank].to(dev, dtype).clone(memory_format=fmt).requires_grad_()
                 layer = syncbn.SyncBatchNorm(5, momentum=1.0).to(dev, dtype)
                 with torch.no_grad():
                     layer.weight.copy_(w)
