@@ -93,7 +93,7 @@ def oracle_job(device: str) -> list:
                 errs = {"y": rel(y, yr[mine]), "dx": rel(x.grad, xr.grad[mine]),
                         "dparams": rel(grads, torch.stack([wr.grad, br.grad])),
                         "buffers": rel(torch.stack([layer.running_mean, layer.running_var]), torch.stack([rm, rv]))}
-                worst = torch.tensor(list(errs.values()), dtype=torch.float64)
+                worst = torch.tensor(list(errs.values()), dtype=torch.float64, device=dev)  # NCCL: on the GPU
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 bound = 1e-4 if dtype == torch.float32 else 1e-10
                 rows.append({"dtype": str(dtype), "layout": layout, "sizes": list(sizes), "bound": bound,
