@@ -57,6 +57,36 @@ def layer_step(layer, x, dy):
     return step, (lambda: None)  # eager CPU torch: done when the call returns
 
 
+def timed_layer_step(layer, x, dy, blocks: list):
+    """:func:`layer_step` that also times syncbn's all-reduces inside the call: each block
+    (closed by ``sync``) appends ``(seconds in all-reduces, steps)`` to ``blocks``."""
+    from .. import distributed
+
+    step, _ = layer_step(layer, x, dy)
+    state = {"spent": 0.0, "steps": 0}
+    reduce = distributed.all_reduce_sum
+
+    def timed(tensor, group=None):
+        start = time.perf_counter()
+        out = reduce(tensor, group)
+        state["spent"] += time.perf_counter() - start
+        return out
+
+    def timed_step():
+        distributed.all_reduce_sum = timed
+        try:
+            step()
+        finally:
+            distributed.all_reduce_sum = reduce
+        state["steps"] += 1
+
+    def sync():
+        blocks.append((state["spent"], state["steps"]))
+        state.update(spent=0.0, steps=0)
+
+    return timed_step, sync
+
+
 def collectives_step(channels: int, group):
     """syncbn's communication alone: the forward and the backward all-reduce of one
     layer call, with their sizes and dtypes, and nothing else."""
@@ -181,14 +211,20 @@ def pool_timing(plan: dict, world: int):
     points = []
     for i, point in enumerate(plan["points"]):
         candidates = {}
+        blocks: list = []
         for key in keys:
             x, dy = make_input(point, 1000 * dist.get_rank() + i)
-            candidates[key] = layer_step(build(key, point["C"], group), x, dy)
+            if key == "syncbn" and world > 1:
+                candidates[key] = timed_layer_step(build(key, point["C"], group), x, dy, blocks)
+            else:
+                candidates[key] = layer_step(build(key, point["C"], group), x, dy)
         if world > 1:
             candidates["collectives"] = collectives_step(point["C"], group)
-        points.append(
-            measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree, barrier)
-        )
+        times = measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree, barrier)
+        if blocks:  # the timed blocks are the last ones; subtract their all-reduces per step
+            timed = blocks[-len(times["syncbn"]):]
+            times["syncbn_compute"] = [t - spent / max(steps, 1) for t, (spent, steps) in zip(times["syncbn"], timed)]
+        points.append(times)
     return {"world": world, "times": points, "refusals": refusals}
 
 
