@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from syncbn.bench import communication, memory, report, runner
+from syncbn.bench import communication, cuda_counts, memory, report, runner
 from syncbn.bench.plan import PEERS, make_plan
 
 QUICK_TIMEOUT = 420  # about 90 s on two idle cores; generous for a loaded machine
@@ -45,7 +45,7 @@ def test_quick_writes_every_output(quick):
     assert rep["meta"]["quick"] is True and rep["plan"]["quick"] is True
     assert rep["errors"] == {}, json.dumps(rep["errors"], indent=1)[:4000]
     # every bar is printed as a pass/fail/n.a. line, none is asserted here
-    assert len(rep["bars"]) == 7
+    assert len(rep["bars"]) == 9
     for bar in rep["bars"]:
         assert bar["passed"] in (True, False, None) and bar["figure"]
         assert bar["bar"] in stdout
@@ -90,6 +90,16 @@ def test_quick_numerics_and_memory(quick):
     by_impl = {r["impl"]: r for r in rep["numerics"]["rows"]}
     for key in ("syncbn", "naive_float32", "torch_bn_one_process"):
         assert sorted(by_impl[key]["errors"]) == sorted(offsets)
+    spec = rep["plan"]["large_planes"]
+    large = rep["numerics"]["large_planes"]
+    assert len(large) == len(spec["shapes"]) * len(spec["offsets"]) * len(spec["worlds"])
+    for row in large:  # the figures come back finite (the bar compares them; see test_stats for bounds)
+        assert all(0 <= row[k] < 1 for k in ("syncbn_var", "syncbn_out", "torch_bn_var")), row
+    counts = rep["cuda_counts"]  # the CUDA path counted on the CPU (bars in test_stats / the report)
+    assert [(r["shape"], r["layout"]) for r in counts["syncbn"]] == [
+        (s, layout) for s in rep["plan"]["cuda_counts"]["shapes"] for layout in rep["plan"]["cuda_counts"]["layouts"]]
+    for r in counts["syncbn"]:
+        assert r["forward"]["collectives"] == 1 and r["backward"]["collectives"] == 1
     mem = rep["memory"]
     assert {b["block"] for b in mem["blocks"] if b["available"]} >= {
         "torch.nn.BatchNorm2d + LeakyReLU", "syncbn.SyncBatchNorm + LeakyReLU"}
@@ -115,7 +125,7 @@ def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     rep = runner.run_bench(make_plan(quick=True), tmp_path, say=notes.append)
     assert {s["peer"] for s in rep["skipped"]} == set(PEERS)
     assert rep["runs"] == [] and rep["timing"]["rows"] == []
-    assert len(rep["bars"]) == 7 and all(bar["passed"] is None for bar in rep["bars"])
+    assert len(rep["bars"]) == 9 and all(bar["passed"] is None for bar in rep["bars"])
     assert "skipped" in report.terminal(rep)
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
 
@@ -155,3 +165,29 @@ def test_output_only_stand_in_keeps_exactly_its_output():
     assert saved.storages == 2 and saved.bytes == x.numel() * 4 + y.numel() * 4
     y.backward(torch.ones_like(y))
     assert bound[0].weight.grad is not None
+
+
+def cuda_counts_job(spec):
+    import torch.distributed as dist
+
+    from syncbn.bench import cuda_counts
+    from workers import group_of
+
+    group = group_of(2)
+    return cuda_counts.layer_counts(spec, group) if dist.get_rank() < 2 else None
+
+
+def test_cuda_path_counts_meet_the_bars(pool):
+    """The CUDA path, counted on the CPU: forward 3 activation-sized passes (read x for
+    the statistics; read x, write y), backward 5 (read dy and x; read dy and x, write
+    dx), launches within torch.nn.SyncBatchNorm's + 4, no host synchronisation, one
+    collective each way. Counts, not times: the same on any machine."""
+    rep = pool.run(cuda_counts_job, {"shapes": [[2, 4, 6, 5]], "layouts": ["contiguous", "channels_last"]})[0]
+    for row in rep["syncbn"]:
+        assert row["forward"]["passes"] == 3 and row["backward"]["passes"] == 5, row
+        for way in ("forward", "backward"):
+            assert row[way]["host_syncs"] == 0 and row[way]["collectives"] == 1, row[way]
+            assert row[way]["launches"] <= cuda_counts.TORCH_SYNCBN[way]["launches"] + 4, row[way]
+        ops = [o["op"] for o in row["forward"]["ops"]] + [o["op"] for o in row["backward"]["ops"]]
+        assert "aten::batch_norm_elemt" in ops and "aten::batch_norm_backward_elemt" in ops
+    assert all(b["passes_ok"] and b["launches_ok"] and b["no_host_sync"] for b in rep["bars"].values())

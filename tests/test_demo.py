@@ -65,6 +65,10 @@ def check_report(out_dir, world_size, launcher):
     assert sync == runs["syncbn"]["param_rel_diff_vs_big_batch"]
     assert per_rank == runs["per_rank_bn"]["param_rel_diff_vs_big_batch"]
     assert "||" in report["param_rel_diff_definition"]
+    # float32 training: syncbn and the big batch differ only by the order of float32 sums, and
+    # such differences grow with the steps (no closed bound for a training trajectory): measured
+    # 3.2e-5 after 300 steps (README), less in this 24-step run; per-rank BN is ~1 away. The bar
+    # (demo.DIFF_BAR, 1e-3) is the demo's own claim, 30x above the 300-step figure.
     assert sync < 1e-3, f"syncbn vs big batch {sync}"
     assert per_rank > 1e-2 and per_rank > 10 * sync, (per_rank, sync)
     assert report["syncbn_matches_big_batch"] and report["per_rank_bn_further_away"]
@@ -154,6 +158,8 @@ def test_mean_of_rank_losses_is_the_big_batch_loss():
     weight = torch.rand(11, generator=gen, dtype=torch.float64) + 0.1
     big = demo.per_image_loss(logits, masks, weight).mean()
     ranks = [demo.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
+    # float64: the mean of 4 means of 2 vs one mean of 8, a handful of roundings of 2^-53 (1.1e-16)
+    # relative each; bound 1e-14 (about 90 of them)
     torch.testing.assert_close(torch.stack(ranks).mean(), big, rtol=1e-14, atol=0)
 
 

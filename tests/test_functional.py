@@ -29,6 +29,7 @@ def test_functional_matches_batch_norm_on_concatenation(pool):
     rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
     w = torch.linspace(0.5, 2, 4, dtype=torch.float64)
     ref = F.batch_norm(torch.cat(xs), rm, rv, w, None, True, 0.3, 1e-3)
+    # float64: defaults rtol = atol = 1e-7, far above ~n * 2^-53 * |mean|/std ~1e-15
     torch.testing.assert_close(torch.cat([r["y"] for r in results]), ref)
     for r in results:
         torch.testing.assert_close(r["rm"], rm)
@@ -38,6 +39,7 @@ def test_functional_matches_batch_norm_on_concatenation(pool):
 def test_not_training_is_plain_batch_norm():
     x = torch.randn(5, 3, 2) + 1
     rm, rv = torch.randn(3), torch.rand(3) + 0.5
+    # not training: the same call of F.batch_norm on both sides, so equal on any CPU
     torch.testing.assert_close(sync_batch_norm(x, rm, rv, training=False), F.batch_norm(x, rm, rv))
 
 
@@ -78,3 +80,68 @@ def test_bad_dims_raise_before_any_collective(pool):
         assert kind == "ValueError" and "2D to 5D" in message
     # and the group still works
     assert [r[0] for r in pool.run(error_job, 4, (2, 2, 2, 2), (2,))] == ["ok"] * 4
+
+
+# ---- the CUDA path, run on the CPU with its device-dependent choices forced ------------
+
+
+def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
+    import contextlib
+
+    from syncbn import stats
+
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    import syncbn
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(3 + rank)
+    x = (torch.randn(sizes[rank], 5, *tail, generator=gen, dtype=torch.float64) * 2 + 2 * ratio).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype)
+    layer = syncbn.SyncBatchNorm(5, momentum=1.0, process_group=group).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 2, 5))
+        layer.bias.copy_(torch.linspace(-1, 1, 5))
+    with stats._forced_cuda_path() if forced else contextlib.nullcontext():
+        y = layer(x)
+        y.backward(dy)
+    return {"x": x.detach(), "y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad,
+            "running_var": layer.running_var.clone(), "format_kept": y.is_contiguous(memory_format=torch.channels_last)
+            if layout == "channels_last" else y.is_contiguous()}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("sizes", [(3, 2, 4), (4, 0, 1)])
+def test_cuda_path_matches_the_cpu_path_in_float64(pool, layout, sizes):
+    """float64, W = 3 with an empty rank: the CUDA path (torch's statistics kernel, the
+    stand-ins of its normalizing and input-gradient kernels) gives the CPU path's output,
+    gradients and buffers to rounding: both compute the same formulas in float64, a few
+    2^-53 times n (at most 42 per rank) and |mean| / std = 1 apart; bound 1e-12."""
+    cuda = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, True)[:3]
+    cpu = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, False)[:3]
+    for a, b in zip(cuda, cpu):
+        assert a["format_kept"]
+        for key in ("y", "dx", "dw", "db", "running_var"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("ratio,bound", [(1e3, 1e-5), (1e4, 1e-4)])
+def test_cuda_path_merged_variance_far_from_zero(pool, ratio, bound):
+    """float32, W = 2, |mean| / std = r = ratio, n = 4096 elements per channel and rank.
+    Without a residual pass each rank's mean keeps its float32 rounding d ~ u r / 2 std
+    (u = 2^-24), so the merge sees the ranks' means moved by d: the variance is off by
+    about 2 d / sqrt(n) (the rounding against the true spread of the ranks' means, ~1 /
+    sqrt(n) std) + d^2, plus the buffer's u/2: ~1e-6 at 1e4, ~1e-7 at 1e3 here. The
+    issue's bars for the CUDA path (1e-5 at 1e3, 1e-4 at 1e4) leave ~50x. Measured with the
+    CPU's statistics kernel (double accumulators, d = u r / 2 at most); CUDA's float32
+    Welford kernel rounds a few times more, checked by scripts/gpu-check."""
+    results = pool.run(cuda_path_job, 2, "contiguous", (4, 4), torch.float32, ratio, True, (32, 32))[:2]
+    x = torch.cat([r["x"] for r in results]).double()
+    n = x.numel() // x.shape[1]
+    ref = x.var(dim=(0, 2, 3), correction=1)
+    rel = ((results[0]["running_var"].double() - ref).abs() / ref).max().item()
+    assert rel < bound, rel

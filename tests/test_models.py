@@ -53,4 +53,5 @@ def test_convert_sync_batchnorm_swaps_every_layer_and_keeps_the_output():
     assert sum(isinstance(m, syncbn.SyncBatchNorm) for m in converted.modules()) == 14
     assert count_batchnorm(converted) == 14
     # not distributed: exactly plain batch norm
+    # not distributed: the converted layers run F.batch_norm, the same kernels as the original
     torch.testing.assert_close(converted(x), expected)

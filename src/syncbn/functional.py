@@ -76,7 +76,7 @@ def _pack_moments(x: Tensor, dtype: torch.dtype) -> Tensor:
     return stats.pack_moments(x, dtype)
 
 
-def _check_count(count: Tensor, n: int, shape) -> None:
+def _check_count(count: Tensor, n: int, shape, device_side: bool = False) -> None:
     """Raise on every rank when the group holds at most one value per channel.
 
     Only a rank that holds at most one element per channel can live in a group whose
@@ -84,11 +84,12 @@ def _check_count(count: Tensor, n: int, shape) -> None:
     the count are exactly the ranks that may have to raise, and when the count is too
     small they all read it and all raise. Under torch.compile the host read would break
     the graph: there the check is an asynchronous assert in the graph instead (raised
-    where the compiled kernel runs, on the same ranks).
+    where the compiled kernel runs, on the same ranks). The CUDA path (``device_side``)
+    takes that assert too: no host synchronisation, at the price of a device-side error.
     """
     if n > 1:
         return
-    if distributed.compiling():
+    if device_side or distributed.compiling():
         torch._assert_async(count > 1, "Expected more than 1 value per channel when training across the process group")
         return
     if int(count.item()) <= 1:
@@ -129,6 +130,19 @@ class _SyncBatchNorm(torch.autograd.Function):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
         centered = None
+        ctx.group = group
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.cuda = stats.cuda_path(x) and not distributed.compiling()
+        if ctx.cuda:  # 3 passes, no host read (stats.cuda_path)
+            packed = distributed.all_reduce_sum(stats.cuda_pack_moments(x, stats.accumulate_dtype(x.device)), group)
+            _check_count(packed[0], n, x.shape, device_side=True)
+            cdtype = stats.compute_dtype(x.dtype)
+            mean_c, invstd, count = stats.cuda_statistics(
+                packed, channels, running_mean, running_var, momentum, eps, cdtype
+            )
+            y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
+            ctx.save_for_backward(x, weight, mean_c, invstd, count)
+            return y
         if distributed.compiling():
             packed = _pack_moments(x, stats.accumulate_dtype(x.device))
         else:  # the centered input, where the CPU path makes one, is normalized in place
@@ -155,8 +169,6 @@ class _SyncBatchNorm(torch.autograd.Function):
             y = stats.affine(centered, offset, scale, shift, out=centered).to(x.dtype)
 
         ctx.save_for_backward(x, weight, mean_c, invstd, count)
-        ctx.group = group
-        ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
@@ -175,6 +187,8 @@ class _SyncBatchNorm(torch.autograd.Function):
             global_dy, global_dy_xhat = packed[:channels], packed[channels:]
             if x.numel() == 0:
                 dx = torch.zeros_like(x)
+            elif ctx.cuda:  # one pass: read dy and x, write dx
+                dx = stats.cuda_input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
             else:
                 dx = stats.input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
         dw = sum_dy_xhat.to(weight.dtype) if need_w else None

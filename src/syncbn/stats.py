@@ -18,6 +18,9 @@ resolution. Devices without float64 (Apple MPS) fall back to float32 sums.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +40,11 @@ __all__ = [
     "input_grad",
     "backward_sums_from_output",
     "input_grad_from_output",
+    "cuda_path",
+    "cuda_pack_moments",
+    "cuda_statistics",
+    "cuda_normalize",
+    "cuda_input_grad",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -86,12 +94,13 @@ def use_centered(x: torch.Tensor) -> bool:
 
     torch's CPU kernel walks a standard-layout channel with one scalar accumulator
     (about 1 element per ns here, a tenth of what a vectorized reduction reads), so the
-    centered moments are 2-4x faster there. In channels-last it is vectorized but
+    centered moments are faster there (their float64 sums convert cache-sized blocks,
+    see :func:`_float64_sums`). In channels-last it is vectorized but
     accumulates ``(x - mean)^2`` in float32 one row after another: measured on float32
     (8, 64, 56, 56), a relative error of the variance of 8e-6 at |mean| / std = 1 and
-    8e-3 at 1e4, where the centered moments stay at 2e-7 (for 2x the native time).
+    8e-3 at 1e4, where the centered moments stay below 1e-7.
     Tiny planes and (N, C) inputs keep the native kernel."""
-    if x.device.type != "cpu" or x.dim() < 3:
+    if x.device.type != "cpu" or x.dim() < 3 or _FORCE_CUDA_PATH:
         return False
     if x.is_contiguous():
         return x.numel() // max(1, x.shape[0] * x.shape[1]) >= 16
@@ -107,19 +116,43 @@ def memory_format(x: torch.Tensor):
     return torch.contiguous_format
 
 
-def _sum_of_squares(t: torch.Tensor, overwrite: bool) -> torch.Tensor:
-    """Per-channel ``sum t^2``; ``t`` is left as it is unless ``overwrite``. In the
-    standard layout one dot product per (sample, channel) plane, a batched matmul that
-    writes nothing (the fastest of the reductions tried here); otherwise the squares go
-    to a temporary (or over ``t``) and torch's cascaded sum adds them (``linalg.vecdot``
-    does the same multiply and sum; the native batch-norm backward kernel would add them
-    in float32 row after row)."""
-    if memory_format(t) is torch.contiguous_format and t.is_contiguous() and t.dim() > 2:
-        planes = t.view(t.shape[0] * t.shape[1], 1, -1)
-        with torch.autocast(t.device.type, enabled=False):  # autocast would run bmm in bfloat16
-            squares = torch.bmm(planes, planes.transpose(1, 2))
-        return squares.view(t.shape[0], t.shape[1]).sum(0)
-    return (t.square_() if overwrite else t.square()).sum(reduce_dims(t.dim()))
+# Elements converted to float64 at a time by :func:`_float64_sums` (1 MiB of float64:
+# the copy stays in cache, and the loop runs about numel / 2^17 times).
+_FLOAT64_CHUNK = 1 << 17
+
+
+def _float64_sums(t: torch.Tensor):
+    """Per-channel ``(sum t, sum t^2)`` accumulated in float64, for a standard-layout or
+    channels-last ``t`` (left as it is).
+
+    ``t`` is converted to float64 a cache-sized block at a time, so the sums hold whatever
+    the plane size, CPU or BLAS: every product and partial sum is a float64 operation,
+    a relative error of at most ``n * 2^-53`` (2e-10 at 2M elements per channel). A
+    float32 dot product (a BLAS ``sdot`` through ``bmm``, as before) accumulates in
+    float32 along chains whose length the BLAS chooses: measured 5e-6 relative on a
+    512x512 plane at |mean| / std = 1e4, where the centered values are quantized and
+    the roundings no longer cancel."""
+    channels = t.shape[1]
+    first = torch.zeros(channels, dtype=torch.float64, device=t.device)
+    second = torch.zeros_like(first)
+    if memory_format(t) is torch.contiguous_format:
+        planes = t.reshape(t.shape[0], channels, -1)  # a view: (sample, channel, plane)
+        width = max(1, _FLOAT64_CHUNK // channels)  # plane elements per block
+        samples = max(1, _FLOAT64_CHUNK // planes[0].numel())  # whole samples per block
+        for start in range(0, planes.shape[0], samples):
+            for column in range(0, planes.shape[2], width):
+                block = planes[start : start + samples, :, column : column + width].to(torch.float64)
+                rows = block.view(-1, 1, block.shape[2])  # one dot product per (sample, channel)
+                first += block.sum((0, 2))
+                second += torch.bmm(rows, rows.transpose(1, 2)).view(-1, channels).sum(0)
+    else:  # channels-last: the (element, channel) rows are contiguous
+        rows = t.permute(0, *range(2, t.dim()), 1).reshape(-1, channels)  # a view
+        height = max(1, _FLOAT64_CHUNK // channels)
+        for start in range(0, rows.shape[0], height):
+            block = rows[start : start + height].to(torch.float64)
+            first += block.sum(0)
+            second += block.square().sum(0)
+    return first, second
 
 
 def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False, overwrite: bool = False):
@@ -137,8 +170,7 @@ def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False, o
     provisional = xs.sum(dims).div_(n)
     shift = provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
     centered = xs.sub_(shift) if overwrite else xs - shift
-    first = centered.sum(dims).to(dtype)
-    second = _sum_of_squares(centered, overwrite=not keep).to(dtype)
+    first, second = (sums.to(dtype) for sums in _float64_sums(centered))
     mean = provisional.to(dtype) + first / n
     m2 = (second - first * first / n).clamp_min_(0)
     return (mean, m2, centered, provisional) if keep else (mean, m2)
@@ -324,3 +356,119 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
     shift = -a * (sum_dy / count)
     dx = affine(z.to(cdtype), bias, b, shift, out=z if overwrite_z and z.dtype == cdtype else None)
     return dx.addcmul_(dz, a.view(shape))
+
+
+# ---- the CUDA path -------------------------------------------------------------------
+# On a GPU a layer call is bounded by passes over activation-sized tensors and by kernel
+# launches (DESIGN.md). On CUDA the synchronized layer takes torch's one-pass statistics
+# kernel, C-sized operations with no host read, and torch's own SyncBatchNorm kernels to
+# normalize and for the input gradient: 3 passes forward (read x; read x, write y) and 5
+# backward (read dy and x; read dy and x, write dx), as torch.nn.SyncBatchNorm.
+#
+# ``_FORCE_CUDA_PATH`` (tests and ``syncbn bench`` only) sends CPU tensors down the same
+# path, so that its operations can be counted and checked on a machine without a GPU.
+# Two of its kernels exist only on CUDA; on the CPU each is replaced by a stand-in
+# custom operator with the same inputs and output (one recorded operation, as the CUDA
+# kernel is one launch), built from the portable formulas above.
+_FORCE_CUDA_PATH = False
+
+
+@contextlib.contextmanager
+def _forced_cuda_path():
+    """Within the block, CPU tensors take the CUDA path (private: tests and the bench)."""
+    global _FORCE_CUDA_PATH
+    before, _FORCE_CUDA_PATH = _FORCE_CUDA_PATH, True
+    try:
+        yield
+    finally:
+        _FORCE_CUDA_PATH = before
+
+
+def cuda_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the CUDA path (a CUDA tensor, or the private switch is on)."""
+    return x.device.type == "cuda" or _FORCE_CUDA_PATH
+
+
+def cuda_pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`pack_moments` from torch's one-pass statistics kernel and five C-sized
+    operations. No residual pass for the rounding of the mean: that rounding, d ~ u r
+    std at |mean| / std = r (u = 2^-24; a few times that from the kernel's float32
+    Welford accumulation on CUDA), moves each rank's mean, so the merge sees the true
+    spread of the ranks' means (~1 / sqrt(n) std for n elements per rank) shifted by d:
+    the merged variance is off by about 2 d / sqrt(n) + d^2 relative (1e-6 at r = 1e4,
+    n = 2.6e5; 1e-4 only below n ~ 100 there), the merged mean by ~u |mean|, the
+    resolution of a float32 mean. torch.nn.SyncBatchNorm merges float32 means the same
+    way. The CPU path measures the rounding and adds it back (:func:`local_moments`)."""
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    if n == 0:
+        return torch.zeros(2 * channels + 1, dtype=dtype, device=x.device)
+    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    packed = torch.cat([mean.new_ones(1), mean, var]).to(dtype)  # [1, m, var]
+    m = packed[1 : channels + 1]
+    packed[channels + 1 :].addcmul_(m, m)  # [1, m, var + m^2]
+    return packed.mul_(n)
+
+
+def cuda_statistics(packed, channels, running_mean, running_var, momentum, eps, cdtype):
+    """From the summed packs: ``(mean, invstd, count)``, mean and inverse standard
+    deviation in ``cdtype`` (what the normalizing kernels take), the global count as a
+    0-d tensor; the running buffers are updated in place. Ten C-sized operations, no
+    host read (:func:`merge_moments` and :func:`update_running_stats` in fewer launches:
+    one ``_foreach_lerp_`` moves both buffers)."""
+    count = packed[0]
+    moments = packed[1:].view(2, channels) / count  # mean, E[x^2]
+    mean, var = moments[0], moments[1]
+    var.addcmul_(mean, mean, value=-1).clamp_min_(0)  # biased variance
+    rows = [mean, var]
+    if running_var is not None:
+        rows.append(torch.addcdiv(var, var, count - 1))  # unbiased: var * N / (N - 1)
+    stacked = torch.stack(rows).to(cdtype)
+    pairs = [(b, stacked[i]) for b, i in ((running_mean, 0), (running_var, 2)) if b is not None]
+    if pairs and not isinstance(momentum, torch.Tensor) and all(b.dtype == cdtype for b, _ in pairs):
+        torch._foreach_lerp_([b for b, _ in pairs], [v for _, v in pairs], momentum)
+    else:
+        with torch.no_grad():
+            for buffer, value in pairs:
+                buffer.lerp_(value.to(buffer.dtype), momentum)
+    invstd = (stacked[1] + eps).rsqrt_()
+    return stacked[0], invstd, count
+
+
+def _normalize_standin(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    shift = torch.zeros_like(mean) if bias is None else bias.to(mean.dtype)
+    return affine(x, mean, scale, shift).to(x.dtype)
+
+
+def _input_grad_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                        weight: Optional[torch.Tensor], sum_dy: torch.Tensor, sum_dy_xmu: torch.Tensor,
+                        count: torch.Tensor) -> torch.Tensor:
+    return input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu * invstd, count.sum())
+
+
+if hasattr(torch.library, "custom_op"):  # one opaque operation each, like the CUDA kernels
+    _normalize_standin = torch.library.custom_op("syncbn::batch_norm_elemt_standin", mutates_args=())(
+        _normalize_standin
+    )
+    _input_grad_standin = torch.library.custom_op("syncbn::batch_norm_backward_elemt_standin", mutates_args=())(
+        _input_grad_standin
+    )
+
+
+def cuda_normalize(x, weight, bias, mean, invstd) -> torch.Tensor:
+    """``(x - mean) * invstd * weight + bias``: ``torch.batch_norm_elemt`` (one pass)."""
+    if x.device.type == "cuda":
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, 0.0)
+    return _normalize_standin(x, weight, bias, mean, invstd)
+
+
+def cuda_input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count) -> torch.Tensor:
+    """:func:`input_grad` as ``torch.batch_norm_backward_elemt`` (one pass: read dy and
+    x, write dx), which takes ``sum dy * (x - mean)`` and integer per-rank counts."""
+    counts = count.to(torch.int32).view(1)
+    sum_dy_xmu = sum_dy_xhat / invstd
+    if x.device.type == "cuda":
+        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
+    return _input_grad_standin(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)

@@ -21,7 +21,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-__all__ = ["shards", "reference_variance", "relative_error", "naive_variance", "torch_variances"]
+__all__ = ["shards", "reference_variance", "relative_error", "naive_variance", "torch_variances", "large_plane_errors"]
 
 SEED = 1234
 
@@ -94,3 +94,60 @@ def torch_variances(spec: dict, world: int, group=None) -> dict:
             errors["torch_bn_one_process"][str(offset)] = relative_error(var, ref)
             errors["naive_float32"][str(offset)] = relative_error(naive_variance(parts), ref)
     return errors if rank == 0 else None
+
+
+def large_plane_errors(spec: dict, world: int, group=None) -> list:
+    """Run on every rank of ``group`` (W = ``world`` ranks): per shape of ``spec["shapes"]``
+    (one rank's input) and offset of ``spec["offsets"]``, the relative error of the merged
+    variance (running buffer, momentum 1, de-biased) and the forward output error (largest
+    over every rank's output, in units of the std) of ``syncbn.SyncBatchNorm``, against
+    float64 two-pass statistics of the same float32 values reduced over the group; and
+    the same two errors of ``torch.nn.BatchNorm2d`` on the W ranks' inputs concatenated
+    in one process (rank 0 gathers them). Rank 0 returns the rows; the others None.
+
+    Each rank draws its own input (channel c: mean ``offset * (1 + c / C)``, std 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..batchnorm import SyncBatchNorm
+
+    rank = dist.get_rank(group)
+    rows = []
+    for shape in spec["shapes"]:
+        channels = shape[1]
+        for offset in spec["offsets"]:
+            gen = torch.Generator().manual_seed(SEED + 7919 * rank)
+            means = offset * (1.0 + torch.arange(channels, dtype=torch.float64) / channels)
+            x = (torch.randn(shape, generator=gen, dtype=torch.float64) + means.view(1, -1, 1, 1)).float()
+            layer = SyncBatchNorm(channels, momentum=1.0, process_group=group)
+            y = layer(x).detach()
+
+            xd = x.double()
+            count = float(world * (x.numel() // channels))
+            mean = xd.sum((0, 2, 3))
+            dist.all_reduce(mean, group=group)
+            mean /= count
+            var = (xd - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3))
+            dist.all_reduce(var, group=group)
+            var /= count
+
+            def errors(out, inp, buffer):
+                xhat = (inp.double() - mean.view(1, -1, 1, 1)) / (var + layer.eps).sqrt().view(1, -1, 1, 1)
+                merged = buffer.double() * (count - 1) / count
+                return ((merged - var).abs() / var).max().item(), (out.double() - xhat).abs().max().item()
+
+            var_err, out_err = errors(y, x, layer.running_var)
+            worst = torch.tensor([out_err], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+            dist.gather(x, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            row = None
+            if rank == 0:
+                whole = torch.cat(parts)
+                bn = torch.nn.BatchNorm2d(channels, momentum=1.0)
+                bn_var, bn_out = errors(bn(whole).detach(), whole, bn.running_var)
+                row = {"shape": list(shape), "offset": offset, "world": world,
+                       "syncbn_var": var_err, "syncbn_out": worst.item(),
+                       "torch_bn_var": bn_var, "torch_bn_out": bn_out}
+            rows.append(row)
+    return rows if rank == 0 else None

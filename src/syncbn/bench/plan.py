@@ -70,6 +70,8 @@ def make_plan(quick: bool = False, threads: int = 1, peers: Optional[Sequence[st
             "min_block_s": 0.01,
             "comm_channels": [64, 256],
             "numerics": {"offsets": [1.0, 1e2, 1e3, 1e4], "worlds": [2], "batch": 4, "channels": 8, "size": 6},
+            "large_planes": {"shapes": [[1, 2, 64, 64]], "offsets": [0.0, 1e4], "worlds": [2]},
+            "cuda_counts": {"shapes": [[2, 64, 28, 28]], "layouts": ["contiguous", "channels_last"]},
             "memory": {"channels": 64, "batch": 4, "size": 28, "model_batch": 2, "model_size": 64},
             "copy_mib": 64,
         }
@@ -82,6 +84,10 @@ def make_plan(quick: bool = False, threads: int = 1, peers: Optional[Sequence[st
             "min_block_s": 0.03,
             "comm_channels": [64, 256],
             "numerics": {"offsets": [1.0, 1e2, 1e3, 1e4], "worlds": [2, 4], "batch": 8, "channels": 16, "size": 8},
+            # segmentation-sized inputs per rank, where float32 accumulation of a long plane shows
+            "large_planes": {"shapes": [[1, 16, 512, 512], [2, 8, 256, 384], [4, 32, 64, 64], [8, 4, 512, 512]],
+                             "offsets": [0.0, 1e3, 1e4], "worlds": [2, 4]},
+            "cuda_counts": {"shapes": [[8, 64, 56, 56]], "layouts": ["contiguous", "channels_last"]},
             "memory": {"channels": 256, "batch": 8, "size": 56, "model_batch": 8, "model_size": 128},
             "copy_mib": 256,
         }

@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import communication, floor, memory, numerics
+from . import communication, cuda_counts, floor, memory, numerics
 from .timing import measure_interleaved
 
 _GROUPS = {}
@@ -55,6 +55,36 @@ def layer_step(layer, x, dy):
         torch.autograd.grad(layer(x), inputs, dy)
 
     return step, (lambda: None)  # eager CPU torch: done when the call returns
+
+
+def timed_layer_step(layer, x, dy, blocks: list):
+    """:func:`layer_step` that also times syncbn's all-reduces inside the call: each block
+    (closed by ``sync``) appends ``(seconds in all-reduces, steps)`` to ``blocks``."""
+    from .. import distributed
+
+    step, _ = layer_step(layer, x, dy)
+    state = {"spent": 0.0, "steps": 0}
+    reduce = distributed.all_reduce_sum
+
+    def timed(tensor, group=None):
+        start = time.perf_counter()
+        out = reduce(tensor, group)
+        state["spent"] += time.perf_counter() - start
+        return out
+
+    def timed_step():
+        distributed.all_reduce_sum = timed
+        try:
+            step()
+        finally:
+            distributed.all_reduce_sum = reduce
+        state["steps"] += 1
+
+    def sync():
+        blocks.append((state["spent"], state["steps"]))
+        state.update(spent=0.0, steps=0)
+
+    return timed_step, sync
 
 
 def collectives_step(channels: int, group):
@@ -181,14 +211,20 @@ def pool_timing(plan: dict, world: int):
     points = []
     for i, point in enumerate(plan["points"]):
         candidates = {}
+        blocks: list = []
         for key in keys:
             x, dy = make_input(point, 1000 * dist.get_rank() + i)
-            candidates[key] = layer_step(build(key, point["C"], group), x, dy)
+            if key == "syncbn" and world > 1:
+                candidates[key] = timed_layer_step(build(key, point["C"], group), x, dy, blocks)
+            else:
+                candidates[key] = layer_step(build(key, point["C"], group), x, dy)
         if world > 1:
             candidates["collectives"] = collectives_step(point["C"], group)
-        points.append(
-            measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree, barrier)
-        )
+        times = measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree, barrier)
+        if blocks:  # the timed blocks are the last ones; subtract their all-reduces per step
+            timed = blocks[-len(times["syncbn"]):]
+            times["syncbn_compute"] = [t - spent / max(steps, 1) for t, (spent, steps) in zip(times["syncbn"], timed)]
+        points.append(times)
     return {"world": world, "times": points, "refusals": refusals}
 
 
@@ -202,6 +238,18 @@ def pool_numerics(spec: dict, world: int):
     if dist.get_rank() >= world:
         return None
     return numerics.torch_variances(spec, world, _GROUPS[world])
+
+
+def pool_large_planes(spec: dict, world: int):
+    if dist.get_rank() >= world:
+        return None
+    return numerics.large_plane_errors(spec, world, _GROUPS[world])
+
+
+def pool_cuda_counts(spec: dict):
+    if dist.get_rank() >= 2:
+        return None
+    return cuda_counts.layer_counts(spec, _GROUPS[2])
 
 
 def pool_memory(spec: dict, world: int):
@@ -254,7 +302,8 @@ def main(argv=None) -> int:
     section("floor", lambda: floor.copy_bandwidth(plan["copy_mib"], repeats=max(3, plan["repeats"])))
     section("local", lambda: local_timing(plan))
 
-    worlds = sorted(set(plan["worlds"]["torch"]) | set(plan["numerics"]["worlds"]) | {2})
+    worlds = sorted(set(plan["worlds"]["torch"]) | set(plan["numerics"]["worlds"])
+                    | set(plan["large_planes"]["worlds"]) | {2})
     from ..launch import WorkerPool
     # the jobs must pickle by their importable name, not as ``__main__.<job>``
     from . import torch_peer as jobs
@@ -278,6 +327,10 @@ def main(argv=None) -> int:
             for w in worlds if w >= 2 for c in plan["comm_channels"]])
         section("numerics", lambda: [
             {"world": w, "errors": pool.run(jobs.pool_numerics, plan["numerics"], w)[0]} for w in plan["numerics"]["worlds"]])
+        section("large_planes", lambda: [
+            row for w in plan["large_planes"]["worlds"]
+            for row in pool.run(jobs.pool_large_planes, plan["large_planes"], w)[0]])
+        section("cuda_counts", lambda: pool.run(jobs.pool_cuda_counts, plan["cuda_counts"])[0])
     finally:
         if pool is not None:
             pool.close()

@@ -1,0 +1,180 @@
+"""Cost of one layer call on the CUDA code path, as counts that do not depend on hardware.
+
+No GPU is needed: the layer runs on the CPU with its device-dependent choices forced to
+the CUDA ones (``syncbn.stats._forced_cuda_path``), and every operation that reaches
+the dispatcher is recorded with its tensors' shapes (a ``TorchDispatchMode``, which sees
+the forward and the autograd engine's backward alike). Per call, forward and backward:
+
+- **passes**: reads plus writes of tensors as large as the input (an operation that reads
+  x and writes y counts 2). Every such operation on this path is a single pass of its
+  kernel, so counting tensors at the operation boundary counts the kernels' passes;
+- **launches**: operations that would launch a device kernel (views, allocations and
+  collectives excluded; collectives are counted on their own);
+- **host syncs**: operations that make the host wait for the device (``.item()``,
+  ``bool(tensor)``, ``nonzero``, a boolean-mask index).
+
+Two CUDA kernels of the path (``batch_norm_elemt``, ``batch_norm_backward_elemt``) do not
+exist on the CPU; there the path calls stand-in operators with the same inputs and
+output, recorded as one operation each, the way the CUDA kernel is one launch.
+
+``torch.nn.SyncBatchNorm`` refuses CPU tensors, so its counts are read off its source
+(``torch/nn/modules/_functions.py``, torch 2.13, NCCL path) and given beside ours as
+data, not measured; ``torch.nn.BatchNorm2d``'s are read off its CUDA kernels too.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+__all__ = ["count_call", "layer_counts", "TORCH_SYNCBN", "BATCHNORM2D", "STANDINS"]
+
+# The stand-ins of the forced CPU path and the CUDA kernel each one stands for.
+STANDINS = {
+    "syncbn::batch_norm_elemt_standin": "aten::batch_norm_elemt",
+    "syncbn::batch_norm_backward_elemt_standin": "aten::batch_norm_backward_elemt",
+}
+
+# torch.nn.SyncBatchNorm's CUDA algorithm per training call (read, not run), module
+# included (num_batches_tracked += 1). Forward: batch_norm_stats (read x), full (the
+# count), cat, [all_gather], then, unless a CUDA graph is being captured, the mask of
+# ranks with elements (ge) and three boolean-mask indexings (each a nonzero, which
+# reads the mask back to the host, and an index kernel), batch_norm_gather_stats_with_counts
+# (merge and running buffers), count_all.to(int32), batch_norm_elemt (read x, write y).
+# Backward: batch_norm_backward_reduce (read dy and x), cat, [all_reduce],
+# batch_norm_backward_elemt (read dy and x, write dx).
+TORCH_SYNCBN = {
+    "source": "read off torch/nn/modules/_functions.py (torch 2.13), not run: it refuses CPU tensors",
+    "forward": {"passes": 3, "launches": 14, "host_syncs": 3, "collectives": 1,
+                "launches_under_graph_capture": 7, "host_syncs_under_graph_capture": 0},
+    "backward": {"passes": 5, "launches": 3, "host_syncs": 0, "collectives": 1},
+}
+
+# torch.nn.BatchNorm2d on CUDA (cuDNN or the native kernels): statistics (read x) and
+# normalization (read x, write y) forward, reduction (read dy and x) and input gradient
+# (read dy and x, write dx) backward; one library call each way plus the module's
+# num_batches_tracked += 1 (read, not run).
+BATCHNORM2D = {
+    "source": "read off torch's CUDA batch-norm kernels, not run",
+    "forward": {"passes": 3, "launches": 2, "host_syncs": 0, "collectives": 0},
+    "backward": {"passes": 5, "launches": 1, "host_syncs": 0, "collectives": 0},
+}
+
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+              "lift_fresh", "set_", "resize_"}
+_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+
+
+def _tensors(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _record(func, args, kwargs, out, numel: int) -> dict:
+    name = func.name()
+    base = name.split("::", 1)[-1].split(".", 1)[0]
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        kind = "collective"
+    elif base in _SYNCS:
+        kind = "host_sync"
+    elif func.is_view or base in _NO_KERNEL:
+        kind = "view"
+    else:
+        kind = "launch"
+    schema = func._schema.arguments
+    values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
+    reads = written = 0
+    mutated = []
+    for arg, value in zip(schema, values):
+        big = [t for t in _tensors(value) if t.numel() == numel]
+        if not arg.is_out:
+            reads += len(big)
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            mutated += big
+    outs = [t for t in _tensors(out) if t.numel() == numel]
+    written = len(outs) if _tensors(out) else len(mutated)
+    return {"op": STANDINS.get(name, name), "kind": kind,
+            "passes": 0 if kind in ("view", "collective") else reads + written,
+            "shapes": [list(t.shape) for t in _tensors(values)]}
+
+
+def count_call(layer, x, dy) -> Dict[str, dict]:
+    """Forward and backward counts of ``layer(x)`` with output gradient ``dy``, on the
+    CUDA path (the caller's layer must take it: see :mod:`syncbn.stats`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .. import stats
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: List[dict] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.ops.append(_record(func, args, kwargs, out, x.numel()))
+            return out
+
+    result = {}
+    with stats._forced_cuda_path():
+        forward = Recorder()
+        with forward:
+            y = layer(x)
+        backward = Recorder()
+        with backward:
+            y.backward(dy)
+    for name, rec in (("forward", forward), ("backward", backward)):
+        ops = rec.ops
+        result[name] = {
+            "passes": sum(o["passes"] for o in ops),
+            "launches": sum(o["kind"] == "launch" for o in ops),
+            "host_syncs": sum(o["kind"] == "host_sync" for o in ops),
+            "collectives": sum(o["kind"] == "collective" for o in ops),
+            "ops": [o for o in ops if o["kind"] != "view"],
+        }
+    return result
+
+
+def layer_counts(spec: dict, group=None) -> dict:
+    """Run on every rank of ``group`` (W >= 2): syncbn.SyncBatchNorm's counts on the CUDA
+    path for each per-rank shape and layout of ``spec``, beside torch.nn.SyncBatchNorm's
+    and BatchNorm2d's (read off their sources). Rank 0 returns the report."""
+    import torch
+    import torch.distributed as dist
+
+    from ..batchnorm import SyncBatchNorm
+
+    rows = []
+    for shape in spec["shapes"]:
+        for layout in spec["layouts"]:
+            gen = torch.Generator().manual_seed(5 + dist.get_rank(group))
+            x = torch.randn(shape, generator=gen) * 2 + 3
+            if layout == "channels_last":
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_()
+            dy = torch.randn(x.shape, generator=gen).contiguous(memory_format=torch.channels_last
+                                                                 if layout == "channels_last" else torch.contiguous_format)
+            layer = SyncBatchNorm(shape[1], process_group=group)
+            counts = count_call(layer, x, dy)
+            rows.append({"shape": list(shape), "layout": layout, **counts})
+    return {"syncbn": rows, "torch_syncbn": TORCH_SYNCBN, "batchnorm2d": BATCHNORM2D,
+            "bars": _bars(rows)} if dist.get_rank(group) == 0 else None
+
+
+def _bars(rows: list) -> dict:
+    """The issue's bars: forward <= 3 passes, backward <= 5, launches within
+    torch.nn.SyncBatchNorm's + 4 each way, no host synchronisation."""
+    ok = {}
+    for way, passes in (("forward", 3), ("backward", 5)):
+        worst = {k: max(r[way][k] for r in rows) for k in ("passes", "launches", "host_syncs")}
+        ok[way] = {"worst": worst,
+                   "passes_ok": worst["passes"] <= passes,
+                   "launches_ok": worst["launches"] <= TORCH_SYNCBN[way]["launches"] + 4,
+                   "no_host_sync": worst["host_syncs"] == 0}
+    return ok
