@@ -60,8 +60,9 @@ def test_quick_counts_one_collective_each_way(quick):
         ch = c["channels"]
         assert c["forward"]["count"] == 1 and c["backward"]["count"] == 1 and c["eval"]["count"] == 0
         assert [call["op"] for call in c["forward"]["calls"] + c["backward"]["calls"]] == ["all_reduce"] * 2
-        assert c["forward"]["payload_bytes"] == (2 * ch + 1) * 8  # float64 sums
-        assert c["backward"]["payload_bytes"] == 2 * ch * 4  # float32 sums
+        f = communication.FINGERPRINT  # the layer fingerprint's values ride along
+        assert c["forward"]["payload_bytes"] == (2 * ch + 1 + f) * 8  # float64 sums
+        assert c["backward"]["payload_bytes"] == (2 * ch + f) * 4  # float32 sums
     table = rep["communication"]["tables"]["256"]
     assert [r["world"] for r in table] == [2**k for k in range(1, 11)]
     assert any(r["source"] == "counted" for r in table)
@@ -123,10 +124,11 @@ def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
 def test_communication_models():
     for c in (1, 64, 256):
         payloads = {communication.syncbn_model(w, c)["forward_payload_bytes"] for w in (2, 8, 1024)}
-        assert payloads == {(2 * c + 1) * 8}
+        f = communication.FINGERPRINT
+        assert payloads == {(2 * c + 1 + f) * 8}
         for w in (2, 4, 1024):
             ours = communication.syncbn_model(w, c)
-            assert ours["forward_wire_bytes"] + ours["backward_wire_bytes"] < 2 * ((2 * c + 1) * 8 + 2 * c * 4)
+            assert ours["forward_wire_bytes"] + ours["backward_wire_bytes"] < 2 * ((2 * c + 1 + f) * 8 + (2 * c + f) * 4)
             theirs = communication.torch_syncbn_model(w, c)
             assert theirs["forward_wire_bytes"] == (w - 1) * (2 * c + 1) * 4
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
+from . import fingerprint
 from .batchnorm import SyncBatchNorm
 from .batchnorm_act import SyncBatchNormAct
 
@@ -112,6 +113,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         return _synchronized(SyncBatchNorm, m, process_group)
 
     result = _replace(module, swap)
+    fingerprint.name_layers(result)  # qualified names identify the layers' collectives
     if skipped:
         warnings.warn(
             "syncbn.convert_sync_batchnorm left these BatchNorm layers unsynchronized: "
@@ -322,4 +324,5 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None) -> nn.Module:
     """
     _fuse_sequentials(module, process_group)
     _fuse_traced(module, process_group)
+    fingerprint.name_layers(module)
     return module
