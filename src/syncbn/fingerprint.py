@@ -280,20 +280,17 @@ def update_running_stats(ok, running_mean, running_var, mean, var, count, moment
 # ---- verdicts that wait on the device ------------------------------------------------
 
 _pending = []  # (ok, sums, tag, world, rank, backward) not yet read on the host
-_callback_queued = [False]
+_queued_for = [None]  # the backward pass (graph task) whose end will check them
 
 
 def _check_after_backward() -> None:
-    if _callback_queued[0]:
+    """Have the autograd engine run :func:`check_agreement` when this backward pass ends
+    (before ``loss.backward()`` returns, so before any optimizer step), once per pass."""
+    task = torch._C._current_graph_task_id()
+    if task == -1 or _queued_for[0] == task:
         return
-    engine = torch.autograd.Variable._execution_engine
-
-    def run():
-        _callback_queued[0] = False
-        check_agreement()
-
-    engine.queue_callback(run)
-    _callback_queued[0] = True
+    _queued_for[0] = task
+    torch.autograd.Variable._execution_engine.queue_callback(check_agreement)
 
 
 def check_agreement() -> None:
