@@ -13,7 +13,9 @@ device would compute on the concatenated batch; the weight and bias gradients st
 local sums, to be averaged by the data-parallel wrapper.
 
 One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
-the input needs no gradient), whatever the world size. Not distributed, a group of
+the input needs no gradient), whatever the world size; each also carries the call's
+fingerprint (18 values, :mod:`syncbn.fingerprint`), so ranks in different layer calls
+raise instead of mixing statistics. Not distributed, a group of
 one, or not training: exactly ``torch.nn.functional.batch_norm``.
 
 ``torch.compile(..., fullgraph=True)`` traces all of it without a graph break: the
