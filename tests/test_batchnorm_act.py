@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
-from syncbn import batchnorm_act
+from syncbn import batchnorm_act, fingerprint
 from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, make_data, max_rel_err, oracle
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
@@ -276,8 +276,9 @@ def count_job(world, channels, input_grad, phase, zero_weights):
 def test_one_collective_each_way(pool, world, zero_weights):
     channels = 6
     for r in pool.run(count_job, world, channels, True, "train", zero_weights)[:world]:
-        assert r["forward"] == [("all_reduce", [[2 * channels + 1]], ["double"])]
-        assert r["backward"] == [("all_reduce", [[2 * channels]], ["float"])]
+        f = fingerprint.SIZE  # the layer fingerprint rides along
+        assert r["forward"] == [("all_reduce", [[2 * channels + 1 + f]], ["double"])]
+        assert r["backward"] == [("all_reduce", [[2 * channels + f]], ["float"])]
 
 
 def test_no_backward_collective_without_input_grad(pool):

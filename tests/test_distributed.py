@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import syncbn
+from syncbn import fingerprint
 from syncbn.traffic import record_collectives, wire_bytes
 from workers import group_of, in_group
 
@@ -31,9 +32,10 @@ def count_job(world, channels, input_grad, phase):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_one_collective_each_way_with_o_c_payload(pool, world):
     channels = 16
+    fwd, bwd = 2 * channels + 1 + fingerprint.SIZE, 2 * channels + fingerprint.SIZE  # + the layer fingerprint
     for r in pool.run(count_job, world, channels, True, "train")[:world]:
-        assert r["forward"] == [("all_reduce", [[2 * channels + 1]], ["double"], 8 * (2 * channels + 1))]
-        assert r["backward"] == [("all_reduce", [[2 * channels]], ["float"], 4 * 2 * channels)]
+        assert r["forward"] == [("all_reduce", [[fwd]], ["double"], 8 * fwd)]
+        assert r["backward"] == [("all_reduce", [[bwd]], ["float"], 4 * bwd)]
 
 
 def test_no_backward_collective_without_input_grad(pool):

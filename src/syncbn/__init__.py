@@ -24,6 +24,9 @@ _LAZY = {
     "sync_groups": "syncbn.groups",
     "precise_bn": "syncbn.precise_bn",
     "functional": "syncbn.functional",
+    "check_agreement": "syncbn.fingerprint",
+    "name_layers": "syncbn.fingerprint",
+    "LayerMismatchError": "syncbn.fingerprint",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -115,7 +115,8 @@ class SyncBatchNorm(_SyncNormBase):
                 input, running_mean, running_var, self.weight, self.bias, bn_training, momentum, self.eps
             )
         return sync_batch_norm(
-            input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps, self.process_group
+            input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps, self.process_group,
+            layer=self,
         )
 
     def extra_repr(self) -> str:

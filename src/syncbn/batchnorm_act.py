@@ -113,7 +113,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import distributed, stats
+from . import distributed, fingerprint, stats
 
 try:
     import numpy as _numpy
@@ -273,15 +273,17 @@ class _SyncBatchNormAct(torch.autograd.Function):
     """Forward and backward of the activated layer; one all-reduce each way when syncing."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation, param, inplace):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation, param, inplace,
+                tag=None):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
         # in place, the centered values go straight over the input, which becomes the output
         packed, centered, provisional = stats.pack_moments(
             x, stats.accumulate_dtype(x.device), keep=True, overwrite=inplace
         )
+        ok = None
         if syncing:
-            packed = distributed.all_reduce_sum(packed, group)
+            packed, ok = fingerprint.all_reduce_checked(packed, group, tag, distributed.group_size(group))
         count, mean, var = stats.merge_moments(packed, channels)
         # as in syncbn.functional: only ranks with at most one local value can see a
         # global count <= 1, and when it is, every rank reads it and raises alike
@@ -292,7 +294,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
                 f"{tuple(x.shape)})"
             )
         if running_mean is not None or running_var is not None:
-            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
+            fingerprint.update_running_stats(ok, running_mean, running_var, mean, var, count, momentum)
 
         cdtype = stats.compute_dtype(x.dtype)
         offset = None if centered is None else (mean - provisional.to(mean.dtype)).to(cdtype)
@@ -326,6 +328,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
         ctx.save_for_backward(y, keep_x, keep_idx, gamma, beta, center, invstd, count.clone())
         ctx.group = group
         ctx.syncing = syncing
+        ctx.tag = tag
         ctx.activation = activation
         ctx.param = param
         ctx.weight_dtype = None if weight is None else weight.dtype
@@ -368,7 +371,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
         if need_x:
             packed = torch.cat([sum_dy, sum_dy_xhat])
             if ctx.syncing:
-                packed = distributed.all_reduce_sum(packed, ctx.group)
+                packed, _ = fingerprint.all_reduce_checked(
+                    packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
+                )
             total_dy, total_dy_xhat = packed[:channels], packed[channels:]
             if y.numel() == 0:
                 dx = torch.zeros_like(y)
@@ -385,7 +390,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
                 dx = dx.to(y.dtype)
         dw = sum_dy_xhat.to(ctx.weight_dtype) if need_w else None
         db = sum_dy.to(ctx.bias_dtype) if need_b else None
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        if ctx.syncing:
+            fingerprint.end_step(ctx.group)
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 _FIT_BOUNDS = {}  # (dtype, activation, param) -> (budget, floor, least)
@@ -686,9 +693,10 @@ class SyncBatchNormAct(_SyncNormBase):
                 input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
                 self.activation, self.activation_param, inplace,
             )
+        tag = fingerprint.forward_tag(self, self.num_features, self.process_group) if syncing else None
         return _SyncBatchNormAct.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
-            self.process_group, syncing, self.activation, self.activation_param, inplace,
+            self.process_group, syncing, self.activation, self.activation_param, inplace, tag,
         )
 
     def extra_repr(self) -> str:

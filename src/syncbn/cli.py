@@ -36,6 +36,10 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
         "syncbn.verify",
         "check that syncbn on W local processes trains your model exactly like one process on the whole batch",
     ),
+    "soak": (
+        "syncbn.soak",
+        "train small converted models for many steps at W=2 and check that memory, fds and threads stay flat",
+    ),
 }
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
+from . import fingerprint
 from .batchnorm import SyncBatchNorm
 from .batchnorm_act import SyncBatchNormAct
 
@@ -135,6 +136,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         return _synchronized(SyncBatchNorm, m, process_group)
 
     result = _replace(module, swap)
+    fingerprint.name_layers(result)  # qualified names identify the layers' collectives
     if skipped:
         warnings.warn(
             "syncbn.convert_sync_batchnorm left these BatchNorm layers unsynchronized: "
@@ -626,4 +628,5 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
         placeholders.setdefault(act_name, placeholder)
     for act_name, placeholder in placeholders.items():
         _set_submodule(module, act_name, placeholder)
+    fingerprint.name_layers(module)
     return module

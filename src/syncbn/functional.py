@@ -13,7 +13,9 @@ device would compute on the concatenated batch; the weight and bias gradients st
 local sums, to be averaged by the data-parallel wrapper.
 
 One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
-the input needs no gradient), whatever the world size. Not distributed, a group of
+the input needs no gradient), whatever the world size; each also carries the call's
+fingerprint (18 values, :mod:`syncbn.fingerprint`), so ranks in different layer calls
+raise instead of mixing statistics. Not distributed, a group of
 one, or not training: exactly ``torch.nn.functional.batch_norm``.
 
 ``torch.compile(..., fullgraph=True)`` traces all of it without a graph break: the
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import distributed, stats
+from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
 __all__ = ["sync_batch_norm", "check_input", "recomputing", "refuse_create_graph"]
@@ -126,19 +128,21 @@ class _SyncBatchNorm(torch.autograd.Function):
     """Forward and backward of the synchronized layer; one all-reduce each way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, tag):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
         centered = None
-        ctx.group = group
+        world = distributed.group_size(group)
+        ctx.group, ctx.tag, ctx.world = group, tag, world
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.cuda = stats.cuda_path(x) and not distributed.compiling()
         if ctx.cuda:  # 3 passes, no host read (stats.cuda_path)
-            packed = distributed.all_reduce_sum(stats.cuda_pack_moments(x, stats.accumulate_dtype(x.device)), group)
+            packed = stats.cuda_pack_moments(x, stats.accumulate_dtype(x.device))
+            packed, ok = fingerprint.all_reduce_checked(packed, group, tag, world)
             _check_count(packed[0], n, x.shape, device_side=True)
             cdtype = stats.compute_dtype(x.dtype)
             mean_c, invstd, count = stats.cuda_statistics(
-                packed, channels, running_mean, running_var, momentum, eps, cdtype
+                packed, channels, running_mean, running_var, momentum, eps, cdtype, ok=ok
             )
             y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
             ctx.save_for_backward(x, weight, mean_c, invstd, count)
@@ -147,12 +151,12 @@ class _SyncBatchNorm(torch.autograd.Function):
             packed = _pack_moments(x, stats.accumulate_dtype(x.device))
         else:  # the centered input, where the CPU path makes one, is normalized in place
             packed, centered, provisional = stats.pack_moments(x, stats.accumulate_dtype(x.device), keep=True)
-        packed = distributed.all_reduce_sum(packed, group)
+        packed, ok = fingerprint.all_reduce_checked(packed, group, tag, world)
         count, mean, var = stats.merge_moments(packed, channels)
         _check_count(count, n, x.shape)
 
         if running_mean is not None or running_var is not None:
-            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
+            fingerprint.update_running_stats(ok, running_mean, running_var, mean, var, count, momentum)
 
         cdtype = stats.compute_dtype(x.dtype)
         mean_c = mean.to(cdtype)
@@ -183,7 +187,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         if need_x:
             channels = x.shape[1]
             packed = torch.cat([sum_dy, sum_dy_xhat])
-            packed = distributed.all_reduce_sum(packed, ctx.group)
+            packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
             global_dy, global_dy_xhat = packed[:channels], packed[channels:]
             if x.numel() == 0:
                 dx = torch.zeros_like(x)
@@ -193,7 +197,8 @@ class _SyncBatchNorm(torch.autograd.Function):
                 dx = stats.input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
         dw = sum_dy_xhat.to(weight.dtype) if need_w else None
         db = sum_dy.to(ctx.bias_dtype) if need_b else None
-        return dx, dw, db, None, None, None, None, None
+        fingerprint.end_step(ctx.group)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def sync_batch_norm(
@@ -206,6 +211,9 @@ def sync_batch_norm(
     momentum=0.1,
     eps: float = 1e-5,
     process_group=None,
+    *,
+    name: Optional[str] = None,
+    layer=None,
 ) -> Tensor:
     """Batch normalization whose training statistics span every rank of ``process_group``.
 
@@ -221,6 +229,12 @@ def sync_batch_norm(
     one element per channel raises ``ValueError`` on every rank (under ``torch.compile``,
     a ``RuntimeError`` from an assert inside the compiled graph, see ``_check_count``).
 
+    Every training call on W > 1 ranks carries a fingerprint in its two all-reduces (see
+    :mod:`syncbn.fingerprint`): ranks that are in different layer calls raise
+    :class:`syncbn.fingerprint.LayerMismatchError` on every rank, before the running
+    buffers move. ``name`` identifies the call there (default ``"sync_batch_norm"``);
+    ``layer`` is the module calling (its recorded name is used instead).
+
     A training call recomputed by :func:`syncbn.checkpoint` during the backward pass
     (see :func:`recomputing`) normalizes as the first call did and leaves the running
     buffers alone, so they are updated once per step, as without checkpointing.
@@ -235,6 +249,7 @@ def sync_batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    tag = fingerprint.forward_tag(layer, input.shape[1], process_group, name)
     return _SyncBatchNorm.apply(
-        input, weight, bias, running_mean, running_var, eps, momentum, process_group
+        input, weight, bias, running_mean, running_var, eps, momentum, process_group, tag
     )

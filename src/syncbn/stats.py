@@ -410,7 +410,7 @@ def cuda_pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return packed.mul_(n)
 
 
-def cuda_statistics(packed, channels, running_mean, running_var, momentum, eps, cdtype):
+def cuda_statistics(packed, channels, running_mean, running_var, momentum, eps, cdtype, ok=None):
     """From the summed packs: ``(mean, invstd, count)``, mean and inverse standard
     deviation in ``cdtype`` (what the normalizing kernels take), the global count as a
     0-d tensor; the running buffers are updated in place. Ten C-sized operations, no
@@ -425,6 +425,12 @@ def cuda_statistics(packed, channels, running_mean, running_var, momentum, eps, 
         rows.append(torch.addcdiv(var, var, count - 1))  # unbiased: var * N / (N - 1)
     stacked = torch.stack(rows).to(cdtype)
     pairs = [(b, stacked[i]) for b, i in ((running_mean, 0), (running_var, 2)) if b is not None]
+    if ok is not None and pairs:
+        # a layer-fingerprint verdict still on the device (syncbn.fingerprint): the weight is
+        # 0 where the ranks disagreed, and a lerp by 0 leaves a (finite) buffer exactly as it is
+        # (one launch; a tensor weight goes to lerp_'s Tensor overload: the foreach
+        # variant would read a 0-d weight on the host)
+        momentum = ok * momentum
     if pairs and not isinstance(momentum, torch.Tensor) and all(b.dtype == cdtype for b, _ in pairs):
         torch._foreach_lerp_([b for b, _ in pairs], [v for _, v in pairs], momentum)
     else:

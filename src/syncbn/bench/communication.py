@@ -9,7 +9,8 @@ Modelled, per rank and per layer call, for W from 2 to 1024, with the bytes on t
 wire of the usual bandwidth-optimal algorithms (:func:`syncbn.traffic.wire_bytes`):
 
 - syncbn: all_reduce of ``2C + 1`` float64 forward, all_reduce of ``2C`` values of
-  the compute dtype (float32) backward; the payload does not depend on W and the wire
+  the compute dtype (float32) backward, each followed by the layer fingerprint's 18
+  values (:mod:`syncbn.fingerprint`); the payload does not depend on W and the wire
   bytes stay below twice the payload.
 - ``torch.nn.SyncBatchNorm``: all_gather of ``2C + 1`` float32 per rank forward
   (mean, invstd, count), all_reduce of ``2C`` float32 backward; each rank receives the
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import List
 
+from ..fingerprint import SIZE as FINGERPRINT
 from ..traffic import wire_bytes
 
 __all__ = ["count_layer_collectives", "syncbn_model", "torch_syncbn_model", "table"]
@@ -75,8 +77,11 @@ def _one_collective_each_way(world: int, forward_op: str, fwd: int, bwd: int) ->
 
 
 def syncbn_model(world: int, channels: int) -> dict:
-    """syncbn: all-reduce of 2C+1 float64 forward, of 2C float32 backward."""
-    return _one_collective_each_way(world, "all_reduce", (2 * channels + 1) * 8, 2 * channels * 4)
+    """syncbn: all-reduce of 2C+1 float64 forward, of 2C float32 backward, each with the
+    layer fingerprint's ``FINGERPRINT`` values."""
+    return _one_collective_each_way(
+        world, "all_reduce", (2 * channels + 1 + FINGERPRINT) * 8, (2 * channels + FINGERPRINT) * 4
+    )
 
 
 def torch_syncbn_model(world: int, channels: int) -> dict:

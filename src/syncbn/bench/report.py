@@ -180,7 +180,7 @@ def _bar(name: str, passed: Optional[bool], figure: str) -> dict:
     return {"bar": name, "passed": passed, "figure": figure}
 
 
-PAYLOAD_BAR = "communication: payload per rank independent of W (= (2C+1)*8 + 2C*4 bytes)"
+PAYLOAD_BAR = "communication: payload per rank independent of W (= (2C+1+F)*8 + (2C+F)*4 bytes, F = 18 fingerprint values)"
 
 
 def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
@@ -226,7 +226,9 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
         for c in counted:
             by_c.setdefault(c["channels"], set()).add(c["forward"]["payload_bytes"] + c["backward"]["payload_bytes"])
         worlds = sorted({c["world"] for c in counted})
-        ok = all(len(v) == 1 and v == {(2 * ch + 1) * 8 + 2 * ch * 4} for ch, v in by_c.items())
+        model = {ch: communication.syncbn_model(2, ch) for ch in by_c}
+        ok = all(len(v) == 1 and v == {model[ch]["forward_payload_bytes"] + model[ch]["backward_payload_bytes"]}
+                 for ch, v in by_c.items())
         figure = "; ".join(f"C={ch}: {sorted(v)} B" for ch, v in sorted(by_c.items()))
         bars.append(_bar(PAYLOAD_BAR, ok, f"counted at W = {worlds}: {figure}; wire bytes stay below twice the payload"))
     else:

@@ -1,0 +1,354 @@
+"""Disagreement detection: every rank must be in the same synchronized layer call.
+
+Each training call of a synchronized layer is one all-reduce forward and one backward,
+and ranks pair them up by order alone. A rank that calls the layers in another order
+(a data-dependent branch, ``if rank == 0:`` code, a model built differently) would
+otherwise mix the statistics of different layers without any error. So every packed
+payload carries, after its 2C+1 (forward) or 2C (backward) values, a fingerprint of the
+call: ``DIGITS`` small integers and their squares, ``SIZE = 2 * DIGITS`` values in the
+payload's own dtype. No extra collective, a constant number of extra values.
+
+What is fingerprinted (a :class:`Tag`, two integers):
+
+- the layer's identity: a 24-bit CRC-32 of its name and ``num_features``. The name is
+  the qualified module name that :func:`name_layers` records (``convert_sync_batchnorm``
+  and ``fuse_batchnorm_act`` call it; call ``syncbn.name_layers(model)`` for a model
+  built with syncbn's layers directly), else the class name, or the ``name`` given to
+  the functional form. (Not a count of layers constructed: a rank that builds an extra
+  model, for evaluation say, would then disagree with the others about every name.)
+  Unnamed layers of one class and width are told apart by the call index alone;
+- the index of the call within the step on its process group (12 bits): the forward
+  calls are counted from 0, and the first forward after a backward pass of a layer on
+  that group starts a new step. A backward carries the tag of its own forward. Under
+  ``torch.compile`` (a graph traced once) the index is not counted and is 0.
+
+The check. Each of the 9 digits ``d`` (4 bits of the tag) travels as ``d`` and ``d^2``;
+after the sum over the W ranks, ``(sum d)^2 <= W * sum d^2`` (Cauchy-Schwarz) with
+equality exactly when every rank sent the same ``d``. All values are integers below
+``W * 225``, so the sums are exact in float32 (the backward payload's dtype for float32
+and half inputs) up to ``MAX_WORLD`` ranks, and float64 forms both sides of the test.
+Every rank sees the same sums, so every rank reaches the same verdict and raises the
+same :class:`LayerMismatchError`. With W = 2 a rank also recovers the other rank's
+digits (the sum minus its own) and names the other rank's layer when it knows that
+name (a layer of its own model, or one it has called); with W > 2 it names its own.
+
+When the check runs. On the CPU at once, before the running buffers move (a host read
+of a CPU tensor costs no synchronization). Elsewhere (CUDA) without a host
+synchronization per layer: the verdict stays on the device, the running buffers are
+updated only where it is good (``torch.where``), and :func:`check_agreement` reads all
+pending verdicts at once: at the end of every backward pass that ran a synchronized
+layer (before the optimizer can use the gradients), at the first forward of the next
+step, or when the user calls it. Under ``torch.compile`` the verdict is an assert
+inside the graph (raised where the compiled kernel runs), with the same gated update.
+
+Size disagreements (a skipped layer, another channel count) make the payloads differ
+in length: the backend fails or, with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, torch names
+the mismatch on every rank before any value is exchanged. See the README's
+troubleshooting section.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import distributed, stats
+
+__all__ = [
+    "SIZE",
+    "DIGITS",
+    "MAX_WORLD",
+    "LayerMismatchError",
+    "Tag",
+    "name_layers",
+    "layer_name",
+    "forward_tag",
+    "end_step",
+    "all_reduce_checked",
+    "update_running_stats",
+    "check_agreement",
+    "reset",
+]
+
+DIGIT_BITS = 4
+IDENT_BITS = 24
+INDEX_BITS = 12
+DIGITS = (IDENT_BITS + INDEX_BITS) // DIGIT_BITS  # 9
+SIZE = 2 * DIGITS  # 18 extra values per payload
+_DIGIT_MAX = (1 << DIGIT_BITS) - 1
+# sum of d^2 over W ranks must stay an exact float32 integer: W * 15^2 <= 2^24
+MAX_WORLD = (1 << 24) // (_DIGIT_MAX * _DIGIT_MAX)
+
+# devices whose verdict is read on the host at once (no asynchronous queue to stall)
+IMMEDIATE_DEVICES = {"cpu"}
+
+
+class LayerMismatchError(RuntimeError):
+    """The ranks of a process group are not in the same synchronized layer call."""
+
+
+class Tag(NamedTuple):
+    ident: int  # 24-bit hash of the layer's name and num_features
+    index: int  # call index within the step, modulo 2^12
+
+
+# ---- names ---------------------------------------------------------------------------
+
+_names = {}  # ident -> (name, num_features): names this process can decode
+
+
+def _ident(name: str, num_features: int) -> int:
+    return zlib.crc32(f"{name}\0{num_features}".encode()) & ((1 << IDENT_BITS) - 1)
+
+
+def _remember(name: str, num_features: int) -> int:
+    ident = _ident(name, num_features)
+    _names.setdefault(ident, (name, num_features))
+    return ident
+
+
+def layer_name(layer) -> str:
+    """``layer``'s name in the fingerprint: the qualified name :func:`name_layers`
+    recorded, else its class name."""
+    name = getattr(layer, "_syncbn_name", None)
+    return name if name is not None else type(layer).__name__
+
+
+def name_layers(root: torch.nn.Module) -> None:
+    """Record every synchronized layer's qualified name in ``root`` for the fingerprint."""
+    from .batchnorm import _SyncNormBase
+
+    for name, module in root.named_modules():
+        if isinstance(module, _SyncNormBase):
+            name = name or type(module).__name__
+            object.__setattr__(module, "_syncbn_name", name)
+            object.__setattr__(module, "_syncbn_ident", None)
+            _remember(name, module.num_features)
+
+
+def _layer_ident(layer) -> int:
+    cached = getattr(layer, "_syncbn_ident", None)
+    if cached is None or cached[0] != layer.num_features:
+        cached = (layer.num_features, _remember(layer_name(layer), layer.num_features))
+        object.__setattr__(layer, "_syncbn_ident", cached)
+    return cached[1]
+
+
+# ---- the call index ------------------------------------------------------------------
+
+_calls = {}  # id(group) -> forward calls counted in this step
+_ended = set()  # id(group) whose backward ran since their last forward
+
+
+def _group_key(group) -> int:
+    return 0 if group is None else id(group)
+
+
+def forward_tag(layer, num_features: int, group, name: Optional[str] = None) -> Tag:
+    """The tag of a training forward call of ``layer`` (a module, or None with ``name``
+    for the functional form) on ``group``; counts the call."""
+    if layer is not None:
+        ident = _layer_ident(layer) if not distributed.compiling() else _traced_ident(layer_name(layer), num_features)
+    elif distributed.compiling():
+        ident = _traced_ident(name or "sync_batch_norm", num_features)
+    else:
+        ident = _remember(name or "sync_batch_norm", num_features)
+    if distributed.compiling():
+        return Tag(ident, 0)
+    key = _group_key(group)
+    if key in _ended:
+        _ended.discard(key)
+        _calls[key] = 0
+        if _pending:
+            check_agreement()
+    index = _calls.get(key, 0)
+    _calls[key] = index + 1
+    return Tag(ident, index & ((1 << INDEX_BITS) - 1))
+
+
+def _assume_constant(fn):
+    compiler = getattr(torch, "compiler", None)
+    wrap = getattr(compiler, "assume_constant_result", None)
+    return wrap(fn) if wrap is not None else fn
+
+
+@_assume_constant
+def _traced_ident(name: str, num_features: int) -> int:
+    return _ident(name, num_features)
+
+
+def end_step(group) -> None:
+    """A backward pass ran a layer on ``group``: its next forward starts a new step.
+    Verdicts still pending (forward calls whose backward needs no collective, such as a
+    layer on the model's input) are read when this backward pass ends."""
+    if not distributed.compiling():
+        _ended.add(_group_key(group))
+        if _pending:
+            _check_after_backward()
+
+
+def reset() -> None:
+    """Forget the call counts and pending verdicts (after a failed step that every rank
+    abandons, so that all ranks count from 0 again)."""
+    _calls.clear()
+    _ended.clear()
+    _pending.clear()
+
+
+# ---- the payload ---------------------------------------------------------------------
+
+_digit_cache = {}  # (tag, dtype, device) -> the SIZE values of the fingerprint
+
+
+def _digits(tag: Tag) -> list:
+    value = (tag.ident << INDEX_BITS) | tag.index
+    return [(value >> (DIGIT_BITS * i)) & _DIGIT_MAX for i in range(DIGITS)]
+
+
+def _undigits(digits) -> Tag:
+    value = 0
+    for i, d in enumerate(digits):
+        value |= int(d) << (DIGIT_BITS * i)
+    return Tag(value >> INDEX_BITS, value & ((1 << INDEX_BITS) - 1))
+
+
+def _fingerprint(tag: Tag, dtype, device) -> Tensor:
+    digits = _digits(tag)
+    values = digits + [d * d for d in digits]
+    if distributed.compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    key = (tag, dtype, device)
+    cached = _digit_cache.get(key)
+    if cached is None:
+        if len(_digit_cache) > 4096:  # a bound; tags repeat from step to step
+            _digit_cache.clear()
+        cached = _digit_cache[key] = torch.tensor(values, dtype=dtype, device=device)
+    return cached
+
+
+def all_reduce_checked(packed: Tensor, group, tag: Tag, world: int, backward: bool = False):
+    """Sum ``packed`` plus the fingerprint of ``tag`` over ``group`` (one all-reduce) and
+    check that every rank sent the same tag.
+
+    Returns ``(summed, ok)``: ``summed`` the sum of ``packed`` (fingerprint removed);
+    ``ok`` None when the verdict was read at once (a disagreement raised
+    :class:`LayerMismatchError` on every rank), else a 0-d bool tensor on the device that
+    :func:`update_running_stats` must be given.
+    """
+    if world > MAX_WORLD:
+        raise ValueError(f"syncbn's layer fingerprint is exact up to {MAX_WORLD} ranks, got {world}")
+    size = packed.shape[0]
+    payload = torch.cat([packed, _fingerprint(tag, packed.dtype, packed.device)])
+    payload = distributed.all_reduce_sum(payload, group)
+    summed, sums = payload[:size], payload[size:]
+    if distributed.compiling():
+        ok = _agree(sums, world)
+        torch._assert_async(ok, _compiled_message(tag, backward))
+        return summed, ok
+    if packed.device.type in IMMEDIATE_DEVICES and not stats.cuda_path(packed):
+        # 18 numbers read at once: checked in Python (the CUDA path, forced on the CPU by
+        # the bench's counts, keeps its verdict on the device as on CUDA)
+        values = [int(v) for v in sums.tolist()]
+        if any(t * t != q * world for t, q in zip(values[:DIGITS], values[DIGITS:])):
+            _raise(tag, sums, world, distributed.group_rank(group), backward)
+        return summed, None
+    ok = _agree(sums, world)
+    _pending.append((ok, sums, tag, world, distributed.group_rank(group), backward))
+    if backward:
+        _check_after_backward()
+    elif len(_pending) > 1024:  # forward-only loops: bound what waits
+        check_agreement()
+    return summed, ok
+
+
+def _agree(sums: Tensor, world: int) -> Tensor:
+    total = sums[:DIGITS].double()
+    squares = sums[DIGITS:].double()
+    return torch.eq(total * total, squares * world).all()
+
+
+def update_running_stats(ok, running_mean, running_var, mean, var, count, momentum) -> None:
+    """:func:`syncbn.stats.update_running_stats`, applied only where ``ok`` (None: checked
+    already) holds: on a disagreement the buffers keep their values."""
+    if ok is None:
+        stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
+        return
+    with torch.no_grad():
+        old = [None if b is None else b.clone() for b in (running_mean, running_var)]
+        stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
+        for buffer, before in zip((running_mean, running_var), old):
+            if buffer is not None:
+                buffer.copy_(torch.where(ok, buffer, before))
+
+
+# ---- verdicts that wait on the device ------------------------------------------------
+
+_pending = []  # (ok, sums, tag, world, rank, backward) not yet read on the host
+_queued_for = [None]  # the backward pass (graph task) whose end will check them
+
+
+def _check_after_backward() -> None:
+    """Have the autograd engine run :func:`check_agreement` when this backward pass ends
+    (before ``loss.backward()`` returns, so before any optimizer step), once per pass."""
+    task = torch._C._current_graph_task_id()
+    if task == -1 or _queued_for[0] == task:
+        return
+    _queued_for[0] = task
+    torch.autograd.Variable._execution_engine.queue_callback(check_agreement)
+
+
+def check_agreement() -> None:
+    """Read every verdict still on the device (one host synchronization) and raise
+    :class:`LayerMismatchError` for the first disagreement. Runs by itself at the end of a
+    backward pass and at the first forward of a step; call it after forward-only work."""
+    if not _pending:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # no host read while a CUDA graph is captured: the verdicts wait for the next check
+    pending = list(_pending)
+    _pending.clear()
+    if bool(torch.stack([p[0] for p in pending]).all()):  # the one synchronization
+        return
+    for ok, sums, tag, world, rank, backward in pending:
+        if not bool(ok):
+            _raise(tag, sums, world, rank, backward)
+
+
+# ---- the message ---------------------------------------------------------------------
+
+
+def _describe(tag: Tag) -> str:
+    known = _names.get(tag.ident)
+    what = f"layer {known[0]!r} ({known[1]} features)" if known else f"a layer unknown here (id {tag.ident:06x})"
+    return f"{what}, call {tag.index} of the step"
+
+
+def _raise(tag: Tag, sums: Tensor, world: int, rank: int, backward: bool):
+    phase = "backward" if backward else "forward"
+    if world == 2:
+        own = _digits(tag)
+        other = _undigits(int(s) - d for s, d in zip(sums[:DIGITS].tolist(), own))
+        tags = {rank: tag, 1 - rank: other}
+        who = "; ".join(f"rank {r} called {_describe(tags[r])}" for r in (0, 1))
+    else:
+        who = f"rank {rank} (this rank) called {_describe(tag)}; the {world} ranks did not all call it"
+    _pending.clear()
+    raise LayerMismatchError(
+        f"syncbn: the ranks of the process group are in different synchronized layer calls "
+        f"({phase}): {who}. Every rank must call the same synchronized layers in the same order "
+        f"(a data-dependent branch, rank-local code or a model built differently on one rank "
+        f"breaks this); the statistics of this call were not applied."
+    )
+
+
+def _compiled_message(tag: Tag, backward: bool) -> str:
+    phase = "backward" if backward else "forward"
+    known = _names.get(tag.ident)
+    name = known[0] if known else f"id {tag.ident:06x}"
+    return (
+        f"syncbn: the ranks of the process group are in different synchronized layer calls "
+        f"({phase}); this rank called layer {name!r}"
+    )
