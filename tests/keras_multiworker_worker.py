@@ -72,7 +72,7 @@ def main():
         rng = np.random.default_rng(sum(map(ord, case)))  # the same draws on both workers
         channels = ((None,) + tail)[axis]
         xs, dys = oracle.make_inputs(rng, sizes, tail, channels, axis)
-        masks = oracle.make_masks(rng, xs, axis) if masked else None
+        masks = oracle.make_masks(rng, xs) if masked else None
         with strategy.scope():
             layer = SyncBatchNormalization(axis=axis, momentum=0.9)
             layer.build((None,) + tail)

@@ -211,7 +211,7 @@ def oracle_mask():
     errors = {}
     for axis, tail in ((-1, (6, 3)), (1, (3, 2, 4))):
         xs, dys = oracle.make_inputs(rng, [4, 1, 5], tail, 3, axis)
-        masks = oracle.make_masks(rng, xs, axis)
+        masks = oracle.make_masks(rng, xs)
         masks[1][:] = False  # a replica that keeps nothing still takes part
         with strategy.scope():
             layer = make_layer(SyncBatchNormalization, 3, len(tail) + 1, rng, axis=axis)

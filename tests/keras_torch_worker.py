@@ -147,7 +147,7 @@ def main():
             full = (None,) + tail
             channels = full[axis]
             xs, dys = oracle.make_inputs(rng, sizes, tail, channels, axis)
-            masks = oracle.make_masks(rng, xs, axis) if masked else None
+            masks = oracle.make_masks(rng, xs) if masked else None
             layer = SyncBatchNormalization(axis=axis, momentum=0.9, **kwargs)
             layer.build(full)
             layer.set_weights([rng.uniform(0.5, 2.0, channels).astype(np.float32)

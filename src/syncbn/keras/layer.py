@@ -194,7 +194,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             )
             return ops.cast(y, self.compute_dtype)
 
-        mean, var = self._batch_statistics(x, moments.element_mask(mask, x, self.axis))
+        mean, var = self._batch_statistics(x, moments.element_mask(mask, x))
         if self.renorm:
             gamma, beta = self._renorm_transform(mean, var, gamma, beta, dtype)
         else:
@@ -233,53 +233,23 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def _batch_statistics(self, x, mask):
         """Per-channel ``(mean, biased var)`` of this training batch, over every replica
         where a distribution is active; one all-reduce each way when it needs one.
-        Fails when the whole batch holds at most one value per channel (see the class
-        docstring for how each backend raises)."""
+        ``mask`` is :func:`moments.element_mask`'s. Channels that count no element get
+        ``(0, 0)`` and one element ``(x, 0)``, as in Keras's layer."""
         # The moving mean is the same on every replica: the shift for the packed sums.
-        shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-        # Elements per channel by static shape (None if unknown); with a mask, an upper bound.
-        bound = moments.static_count(x, self.axis)
-        message = self._too_few_message()
         backend = keras.backend.backend()
         if backend == "tensorflow":
             ctx = replicas.tf_replica_context()
             if ctx is not None:
-                count, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
-                local = None
-                if mask is None:
-                    local = bound if bound is not None else moments.element_count(x, self.axis, None, "int32")
-                return replicas.tf_require_count(count, message, (mean, var), local=local)
-        elif backend == "torch":
-            if replicas.torch_world_size() > 1:
-                count, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
-                replicas.torch_require_count(count, message, local=bound if mask is None else None)
+                shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
+                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
                 return mean, var
-
-        # One replica, or a backend that presents the whole batch as one array: the
-        # local count is the global one.
-        if bound is not None and bound <= 1:
-            before, after = message
-            raise ValueError(f"{before} {bound if mask is None else f'at most {bound}'} {after}")
-        mean, var = moments.batch_moments(x, self.axis, mask)
-        if bound is not None and mask is None:
+        elif backend == "torch" and replicas.torch_world_size() > 1:
+            shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
+            _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
             return mean, var
-        count = moments.element_count(x, self.axis, mask, "int32")
-        if backend == "tensorflow":
-            return replicas.tf_require_count(count, message, (mean, var))
-        if backend == "torch":
-            replicas.torch_require_count(count, message)
-        # JAX: a masked count depends on the data, which jit cannot raise on: unchecked.
-        return mean, var
-
-    def _too_few_message(self):
-        """The error for a training batch of at most one value per channel, as the text
-        before and after the count."""
-        return (
-            f"{self.name}: expected more than 1 value per channel when training, got",
-            "value(s) per channel in the whole batch (all replicas together, masked-out "
-            "elements not counted). Batch statistics need at least 2: use a larger batch, "
-            "drop an incomplete last batch, or call the layer with training=False",
-        )
+        # One replica, or a backend that presents the whole batch as one array (JAX):
+        # the local statistics are the global ones.
+        return moments.batch_moments(x, self.axis, mask)
 
     def _normalize(self, x, mean, var, gamma, beta):
         """``(x - mean) * (gamma / sqrt(var + eps)) + beta``, subtracting the mean first
