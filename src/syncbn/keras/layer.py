@@ -11,7 +11,7 @@ from . import moments, replicas
 __all__ = ["SyncBatchNormalization"]
 
 
-@keras.saving.register_keras_serializable(package="syncbn")
+@keras.saving.register_keras_serializable(package="syncbn", name="SyncBatchNormalization")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     r"""Batch normalization whose training statistics span every replica's batch.
 
@@ -53,29 +53,22 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     With ``renorm=True`` (batch renormalization), the corrections ``r`` and ``d`` and
     the renorm moving statistics are computed from the synchronized batch statistics.
 
-    Training needs more than one value per channel in the whole batch (every replica's
-    batch together, masked-out elements not counted). With at most one, the layer
-    raises, naming itself and the count, on every replica alike, instead of
-    normalizing with a meaningless variance (Keras's own layer does not check; an empty
-    batch would pull its moving variance toward 0). ``torch.nn.BatchNorm`` raises too.
-    How it raises depends on when the count is known:
+    Masks follow Keras: a mask covers the input's leading axes (``inputs.shape[:-1]``,
+    or a shape that broadcasts to it) whatever ``axis`` is, and is broadcast over the
+    last axis; only the elements it keeps are counted, per element across replicas
+    (with the channel axis not last, each channel has its own count and the forward
+    all-reduce carries ``3C`` values). Degenerate batches give what Keras's layer gives
+    on the whole batch, with no error: one value per channel has variance 0 (output
+    ``beta``), and a channel with no counted value at all (fully masked, or an empty
+    global batch) has mean 0 and variance 0, which the moving averages then follow.
+    (Keras's own layer returns NaN statistics for an empty unmasked batch; this one
+    treats it as fully masked.) No step depends on a check of the count, so nothing
+    is read back to the host and nothing is lost under XLA (``jit_compile=True``,
+    ``jax.jit``).
 
-    - Where the layer sees the whole batch (no distribution, one replica, or JAX) and
-      its static shape holds at most one value per channel: ``ValueError`` when the
-      layer is called or traced.
-    - Otherwise the count is known only when the step runs (after the all-reduce, from
-      a mask, or from a dynamic batch size). TensorFlow: ``tf.errors.InvalidArgumentError``
-      from an assertion the outputs depend on (eagerly, in ``tf.function``,
-      ``strategy.run`` and ``fit``; nothing is updated). XLA compiles assertions to
-      nothing, so under ``jit_compile=True`` (Keras's default for ``fit`` on one GPU)
-      this check is skipped. PyTorch: ``ValueError`` after reading the count on the
-      host, which only a rank whose own batch may hold at most one value per channel
-      does (with a mask, every rank does); an asynchronous assertion under
-      ``torch.compile``.
-    - JAX with a mask: the count depends on the data, which a jitted function cannot
-      raise on; it is not checked.
-
-    Inference (``training=False``) never checks.
+    On the PyTorch backend across ``torch.distributed`` ranks, higher-order gradients
+    (``create_graph=True``) raise ``RuntimeError``: the cross-rank sums are not
+    differentiable, and a silently incomplete second derivative is worse than none.
 
     The batch variance never goes negative and has no cancellation error: float32
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
@@ -112,7 +105,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 axis = int(axis)
             except (TypeError, ValueError):
                 raise TypeError(
-                    f"{type(self).__name__}: axis must be one integer, the channel axis "
+                    f"SyncBatchNormalization: axis must be one integer, the channel axis "
                     f"(-1 for channels_last, 1 for channels_first), got axis={axis!r}"
                 ) from None
         super().__init__(
@@ -310,3 +303,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if beta is not None:
             new_beta = new_beta + beta
         return new_gamma, new_beta
+
+
+# Keras addresses a layer's weights in a ``.weights.h5`` file by its class name
+# (``layers/batch_normalization_1``), not by the layer's name. Under Keras's own class
+# name, checkpoints move both ways between a model and its converted copy (and a model
+# built with this layer loads into the plain one for deployment); Keras's default layer
+# names (``batch_normalization_N``) follow the same name. The public name, the
+# registered serialization name (``syncbn>SyncBatchNormalization``) and ``isinstance``
+# are unchanged.
+SyncBatchNormalization.__name__ = SyncBatchNormalization.__qualname__ = "BatchNormalization"

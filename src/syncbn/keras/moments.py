@@ -11,8 +11,9 @@ moving mean), it packs
 
     [n,  n * a,  M2 + n * a^2]        with a = m - K,
 
-``2C + 1`` values in the summing dtype (float64 where the devices have it). Summed over
-the replicas, with ``A = sum n a / N``:
+``2C + 1`` values in the summing dtype (float64 where the devices have it; ``3C``
+when a mask gives each channel its own count ``n``). Summed over the replicas, with
+``A = sum n a / N``:
 
     N = sum n,   mean = K + A,   var = sum (M2 + n a^2) / N - A^2   (biased).
 
