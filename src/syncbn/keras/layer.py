@@ -188,8 +188,16 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             return ops.cast(y, self.compute_dtype)
 
         mask = moments.element_mask(mask, x)
-        if not self.renorm and self._local_fast_path():
-            return ops.cast(self._train_local(x, mask, gamma, beta), self.compute_dtype)
+        if not self.renorm:
+            if self._local_fast_path():
+                return ops.cast(self._train_local(x, mask, gamma, beta), self.compute_dtype)
+            ctx = replicas.tf_replica_context() if keras.backend.backend() == "tensorflow" else None
+            if ctx is not None:
+                shift = ops.stop_gradient(ops.cast(self.moving_mean, dtype))
+                y, mean, var = replicas.tf_sync_train(
+                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon)
+                self._update_moving_statistics(mean, var)
+                return ops.cast(y, self.compute_dtype)
         mean, var = self._batch_statistics(x, mask)
         if self.renorm:
             gamma, beta = self._renorm_transform(mean, var, gamma, beta, dtype)
@@ -252,7 +260,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         frozen = ops.stop_gradient(x)
         mean, m2 = moments.local_moments(frozen, axis, mask, count)
         n = ops.reshape(ops.maximum(count, 1.0), moments.count_shape(ndim, axis))
-        var = m2 / n
+        var = m2 / n  # biased
         self._update_moving_statistics(ops.reshape(mean, (channels,)), ops.reshape(var, (channels,)))
         shape = moments.broadcast_shape(ndim, axis, channels)
         inv = ops.rsqrt(var + self.epsilon)
@@ -270,10 +278,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 dy = args[0] if upstream is None else upstream
                 s1 = ops.sum(dy, axis=axes, keepdims=True)
                 s2 = ops.sum(dy * xhat, axis=axes, keepdims=True)
-                correction = (s1 + xhat * s2) / n
-                if weights is not None:
-                    correction = correction * weights
-                dx = (dy - correction) * (gamma * inv)
+                dx = moments.input_grad(dy, xhat, gamma * inv, n, weights, s1, s2)
                 zero = ops.zeros_like
                 return dx, zero(mean), zero(inv), zero(n), s2, s1
 

@@ -39,6 +39,7 @@ __all__ = [
     "batch_moments",
     "pack",
     "merge",
+    "input_grad",
 ]
 
 
@@ -177,3 +178,19 @@ def merge(total, shift):
     mean = ops.where(count > 0, ops.cast(shift, total.dtype) + offset, ops.zeros_like(offset))
     var = ops.maximum(total[counts + channels :] / safe - ops.square(offset), 0.0)
     return count, mean, var
+
+
+def input_grad(dy, xhat, scale, count, weights, sum_dy, sum_dy_xhat):
+    """The closed-form input gradient of batch norm in training,
+
+        dx = scale * (dy - w * (S1 + xhat * S2) / N),
+
+    with ``scale = gamma / sqrt(var + eps)``, ``w`` the 0/1 ``weights`` of counted
+    elements (None: all), ``N = count`` (clamped at 1), and ``S1 = sum dy``,
+    ``S2 = sum dy * xhat`` over every element of the channel on every replica (every
+    element is normalized with the batch statistics, counted or not). Everything is
+    already shaped to broadcast against ``dy``."""
+    correction = (sum_dy + xhat * sum_dy_xhat) / ops.maximum(count, 1.0)
+    if weights is not None:
+        correction = correction * weights
+    return (dy - correction) * scale

@@ -36,6 +36,7 @@ __all__ = [
     "tf_replica_context",
     "tf_sum_dtype",
     "tf_sync_moments",
+    "tf_sync_train",
     "torch_world_size",
     "torch_sync_moments",
 ]
@@ -110,6 +111,49 @@ def tf_sync_moments(x, axis, mask, shift, ctx):
         return (count, mean, var), grad
 
     return sync_moments(x)
+
+
+def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon):
+    """A training call's ``(output, mean, biased var)`` with statistics over every
+    replica of ``ctx``: one all-reduce in forward (the moments, as in
+    :func:`tf_sync_moments`) and one of ``2C`` values in backward (``sum dy`` and
+    ``sum dy * xhat``), the input gradient in closed form
+    (:func:`syncbn.keras.moments.input_grad`). ``gamma`` / ``beta`` (None: absent)
+    get this replica's own sums as gradients, which the strategy aggregates; ``mean``
+    and ``var`` are for the moving averages and carry no gradient."""
+    import tensorflow as tf
+
+    dtype = tf_sum_dtype(ctx)
+    ndim = len(x.shape)
+    channels = shift.shape[0]
+    shape = moments.broadcast_shape(ndim, axis, channels)
+    axes = moments.reduction_axes(ndim, axis)
+    weights = None if mask is None else tf.cast(mask, x.dtype)
+    gamma = tf.ones((channels,), x.dtype) if gamma is None else gamma
+    beta = tf.zeros((channels,), x.dtype) if beta is None else beta
+
+    def all_reduce(value):
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    @tf.custom_gradient
+    def train(x, gamma, beta):
+        count, mean, var = _forward(x, axis, mask, shift, dtype, all_reduce)
+        n = tf.reshape(tf.cast(count, x.dtype), moments.count_shape(ndim, axis))
+        inv = tf.math.rsqrt(tf.reshape(var, shape) + epsilon)
+        xhat = (x - tf.reshape(mean, shape)) * inv
+        y = xhat * tf.reshape(gamma, shape) + tf.reshape(beta, shape)
+
+        def grad(dy, *unused):
+            s1 = tf.reduce_sum(dy, axis=axes)
+            s2 = tf.reduce_sum(dy * xhat, axis=axes)
+            summed = all_reduce(tf.concat([s1, s2], axis=0))
+            dx = moments.input_grad(dy, xhat, tf.reshape(gamma, shape) * inv, n, weights,
+                                    tf.reshape(summed[:channels], shape), tf.reshape(summed[channels:], shape))
+            return dx, s2, s1
+
+        return (y, tf.stop_gradient(mean), tf.stop_gradient(var)), grad
+
+    return train(x, gamma, beta)
 
 
 # --------------------------------------------------------------------------- PyTorch
