@@ -14,12 +14,11 @@ batch renormalization, dtype policies, and compiled (XLA / ``jax.jit``) against 
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
 
-from keras_harness import block_torch, run_checks
+from keras_harness import block_torch, worker_main
 import keras_oracle as oracle
 
 CHECKS = {}
@@ -460,14 +459,5 @@ def compiled_matches_eager():
     return info
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
-    args = parser.parse_args()
-    setup()
-    run_checks(CHECKS, args.checks, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(CHECKS, setup)

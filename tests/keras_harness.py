@@ -60,6 +60,19 @@ def run_checks(checks, names, out_path):
     return results
 
 
+def worker_main(checks, setup):
+    """A check script's entry point: ``--out R.json [--checks NAME...]``; ``setup()``
+    runs first (backend, devices, torch blocking), then the named checks."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", nargs="+", default=list(checks))
+    args = parser.parse_args()
+    setup()
+    run_checks(checks, args.checks, args.out)
+
+
 # --------------------------------------------------------------------------- pytest side
 
 
@@ -142,6 +155,13 @@ def run_suite(script, checks, env, timeout, extra_args=()):
     if code is None:
         output += f"\n[killed after {timeout} s]"
     return results, output
+
+
+def print_check(results, name):
+    """Assert check ``name`` (see :func:`assert_check`) and print its figures."""
+    info = assert_check(*results, name)
+    if info:
+        print(f"{name}: {json.dumps(info, default=float)}")
 
 
 def assert_check(results, output, name):

@@ -12,14 +12,13 @@ float64 oracle on the whole batch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
 
 import numpy as np
 
-from keras_harness import block_torch, run_checks
+from keras_harness import block_torch, worker_main
 import keras_oracle as oracle
 
 DEVICES = 4
@@ -241,14 +240,5 @@ def degenerate_batches():
     return info
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
-    args = parser.parse_args()
-    setup()
-    run_checks(CHECKS, args.checks, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(CHECKS, setup)

@@ -4,7 +4,6 @@ device, on the TensorFlow, JAX and PyTorch backends: every check of
 process."""
 
 import importlib.util
-import json
 
 import pytest
 
@@ -26,6 +25,4 @@ def results(request):
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_conformance(results, name):
-    info = harness.assert_check(*results, name)
-    if info:
-        print(f"{name}: {json.dumps(info, default=float)}")
+    harness.print_check(results, name)
