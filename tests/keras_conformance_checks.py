@@ -459,5 +459,77 @@ def compiled_matches_eager():
     return info
 
 
+@check
+def second_order_gradients():
+    """A gradient of a gradient through a training call (a gradient penalty): on
+    TensorFlow (eager and traced) and JAX (eager and jitted), whose backward is written
+    in closed form, a RuntimeError that names the problem, never a silently incomplete
+    value; first-order gradients are unaffected. On the PyTorch backend (one process,
+    plain autograd) the second derivative equals that of Keras's layer."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization as Sync
+
+    x = (np.random.default_rng(9).standard_normal((6, 3)) * 2 + 1).astype(np.float32)
+    name = backend()
+    info = {}
+    if name == "torch":
+        import torch
+
+        results = []
+        for cls in (keras.layers.BatchNormalization, Sync):
+            layer = built(cls, (None, 3), 9)
+            xt = torch.tensor(x, requires_grad=True)
+            (g,) = torch.autograd.grad((layer(xt, training=True) ** 3).sum(), xt, create_graph=True)
+            (h,) = torch.autograd.grad((g ** 2).sum(), xt)
+            results.append(h.numpy())
+        info["max_abs_difference"] = assert_close(results[1], results[0], 1e-3, 1e-3, "second order")
+        return info
+    layer = built(Sync, (None, 3), 9)
+    attempts = {}
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        def penalty_grad(x):
+            with tf.GradientTape() as outer:
+                outer.watch(x)
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    loss = tf.reduce_sum(layer(x, training=True) ** 3)
+                grad = inner.gradient(loss, x)
+                penalty = tf.reduce_sum(grad ** 2)
+            return outer.gradient(penalty, x)
+
+        with tf.GradientTape() as tape:
+            xt = tf.constant(x)
+            tape.watch(xt)
+            loss = tf.reduce_sum(layer(xt, training=True) ** 3)
+        assert np.all(np.isfinite(to_numpy(tape.gradient(loss, xt))))
+        attempts = {"eager": lambda: penalty_grad(tf.constant(x)),
+                    "tf.function": lambda: tf.function(penalty_grad)(tf.constant(x))}
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def loss(x):
+            return jnp.sum(layer.stateless_call(trainable, non_trainable, x, training=True)[0] ** 3)
+
+        assert np.all(np.isfinite(np.asarray(jax.jit(jax.grad(loss))(x))))
+        penalty = jax.grad(lambda x: jnp.sum(jax.grad(loss)(x) ** 2))
+        attempts = {"eager": lambda: penalty(jnp.asarray(x)), "jit": lambda: jax.jit(penalty)(jnp.asarray(x))}
+    for how, attempt in attempts.items():
+        try:
+            attempt()
+        except Exception as err:  # TF wraps errors raised while tracing
+            assert "higher-order gradients through a training call" in str(err), (how, str(err)[-500:])
+            info[how] = "raised"
+        else:
+            raise AssertionError(f"{how}: no error for a second-order gradient")
+    return info
+
+
 if __name__ == "__main__":
     worker_main(CHECKS, setup)

@@ -66,9 +66,12 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     is read back to the host and nothing is lost under XLA (``jit_compile=True``,
     ``jax.jit``).
 
-    On the PyTorch backend across ``torch.distributed`` ranks, higher-order gradients
-    (``create_graph=True``) raise ``RuntimeError``: the cross-rank sums are not
-    differentiable, and a silently incomplete second derivative is worse than none.
+    Higher-order gradients (the gradient of a gradient through a training call, e.g.
+    a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
+    hand: on TensorFlow and JAX (closed form, one device or many) and on PyTorch
+    across ``torch.distributed`` ranks (whose sums autograd cannot see). A silently
+    incomplete second derivative would be worse than none. On PyTorch in one process
+    they are exact (plain autograd).
 
     The batch variance never goes negative and has no cancellation error: float32
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
@@ -279,6 +282,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 s1 = ops.sum(dy, axis=axes, keepdims=True)
                 s2 = ops.sum(dy * xhat, axis=axes, keepdims=True)
                 dx = moments.input_grad(dy, xhat, gamma * inv, n, weights, s1, s2)
+                dx, s2, s1 = replicas.first_order_only((dx, s2, s1))
                 zero = ops.zeros_like
                 return dx, zero(mean), zero(inv), zero(n), s2, s1
 

@@ -33,6 +33,7 @@ from keras import ops
 from . import moments
 
 __all__ = [
+    "first_order_only",
     "tf_replica_context",
     "tf_sum_dtype",
     "tf_sync_moments",
@@ -40,6 +41,54 @@ __all__ = [
     "torch_world_size",
     "torch_sync_moments",
 ]
+
+
+SECOND_ORDER = (
+    "SyncBatchNormalization: higher-order gradients through a training call (the gradient "
+    "of a gradient, e.g. a gradient penalty) are not supported: its backward is written in "
+    "closed form, and differentiating it again would miss the statistics' terms. Compute "
+    "the penalty through a layer in inference mode, or use keras.layers.BatchNormalization "
+    "on one device"
+)
+
+
+def first_order_only(values):
+    """``values`` (a tuple of tensors) unchanged, whose own gradient raises
+    ``RuntimeError`` (:data:`SECOND_ORDER`): applied to what a closed-form backward
+    returns, so that differentiating that backward again fails clearly instead of
+    giving a second derivative without the statistics' terms. The error comes when the
+    second-order gradient is built (eagerly, or while tracing), on every replica alike.
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def guard(*values):
+            def grad(*upstream):
+                raise RuntimeError(SECOND_ORDER)
+
+            return tuple(tf.identity(v) for v in values), grad
+
+        return guard(*values)
+    if backend == "jax":
+        import jax
+
+        @jax.custom_vjp
+        def guard(*values):
+            return values
+
+        def forward(*values):
+            return values, None
+
+        def backward(residual, upstream):
+            raise RuntimeError(SECOND_ORDER)
+
+        guard.defvjp(forward, backward)
+        return guard(*values)
+    return values
 
 
 def _input_grad(x, axis, mask, mean, count, g_mean, g_var):
@@ -106,7 +155,8 @@ def tf_sync_moments(x, axis, mask, shift, ctx):
             g_var = tf.zeros_like(var) if g_var is None else g_var
             summed = all_reduce(tf.concat([g_mean, g_var], axis=0))
             channels = mean.shape[0]
-            return _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
+            dx = _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
+            return first_order_only((dx,))[0]
 
         return (count, mean, var), grad
 
@@ -149,7 +199,7 @@ def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon):
             summed = all_reduce(tf.concat([s1, s2], axis=0))
             dx = moments.input_grad(dy, xhat, tf.reshape(gamma, shape) * inv, n, weights,
                                     tf.reshape(summed[:channels], shape), tf.reshape(summed[channels:], shape))
-            return dx, s2, s1
+            return first_order_only((dx, s2, s1))
 
         return (y, tf.stop_gradient(mean), tf.stop_gradient(var)), grad
 
