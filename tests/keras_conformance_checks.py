@@ -68,8 +68,6 @@ def train_call(layer, x, dy, mask=None):
     """One training call: output, gradients of ``sum(y * dy)`` (``dx``, ``dgamma``,
     ``dbeta`` for the weights the layer has), as float64 numpy arrays; the layer's
     moving statistics are updated as by an eager call."""
-    import keras
-
     name = backend()
     names = ["d" + w.path.split("/")[-1] for w in layer.trainable_weights]
     if name == "tensorflow":
@@ -108,7 +106,6 @@ def train_call(layer, x, dy, mask=None):
     out = {"y": to_numpy(y).astype(np.float64)}
     for key, g in zip(["dx"] + names, grads):
         out[key] = to_numpy(g).astype(np.float64)
-    del keras
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import numpy as np
 

@@ -7,7 +7,6 @@ Run by ``test_keras_tf.py``:  python tests/keras_tf_checks.py --out R.json --che
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import numpy as np
