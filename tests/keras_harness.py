@@ -164,6 +164,13 @@ def run_host_device_suite(script, checks, devices, timeout):
     return run_suite(script, checks, env, timeout)
 
 
+def print_check(results, name):
+    """Assert check ``name`` (see :func:`assert_check`) and print its figures."""
+    info = assert_check(*results, name)
+    if info:
+        print(f"{name}: {json.dumps(info, default=float)}")
+
+
 def assert_check(results, output, name):
     """Fail with the worker's traceback (or its output, if it died) for check ``name``."""
     result = results.get(name)

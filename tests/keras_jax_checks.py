@@ -12,14 +12,12 @@ float64 oracle on the whole batch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
 
 import numpy as np
 
-from keras_harness import block_torch, run_checks
+from keras_harness import block_torch, worker_main
 import keras_oracle as oracle
 import nan_safe
 
@@ -68,25 +66,32 @@ def dataparallel_layer_matches_oracle():
         distribution = data_parallel(devices)
         per_device = 3
         channels = 3
-        # Each device's slice has its own offset: local statistics would be far off.
-        xs, dys = [], []
-        for d in range(devices):
-            x, dy = oracle.make_inputs(rng, [per_device], (4, channels), channels,
-                                       offset=rng.uniform(-10, 10, channels))
-            xs += x
-            dys += dy
-        masks = [oracle.make_masks(rng, [x], keep=0.25 + 0.2 * d)[0] for d, x in enumerate(xs)]
-        for use_mask in (False, True):
+        # variant -> (channel axis, masked); a Keras mask covers inputs.shape[:-1]
+        for variant, (axis, use_mask) in {"plain": (-1, False), "masked": (-1, True),
+                                          "masked, channels first": (1, True)}.items():
+            tail = (4, channels) if axis == -1 else (channels, 4)
+            # Each device's slice has its own offset: local statistics would be far off.
+            xs, dys = [], []
+            for d in range(devices):
+                x, dy = oracle.make_inputs(rng, [per_device], tail, channels, axis,
+                                           offset=rng.uniform(-10, 10, channels))
+                xs += x
+                dys += dy
+            masks = [oracle.make_masks(rng, [x], keep=0.25 + 0.2 * d)[0] for d, x in enumerate(xs)]
+            masks[0][:] = False  # a device that keeps nothing
+            if axis == 1:
+                for m in masks:
+                    m[:, 1] = False  # a channel that no device counts
             with distribution.scope():
-                layer = SyncBatchNormalization(momentum=0.9)
-                layer.build((None, 4, channels))
+                layer = SyncBatchNormalization(axis=axis, momentum=0.9)
+                layer.build((None,) + tail)
                 layer.set_weights([rng.uniform(0.5, 2, channels), rng.uniform(-1, 1, channels),
                                    rng.uniform(-1, 1, channels), rng.uniform(0.5, 2, channels)])
             initial = [np.asarray(w) for w in layer.get_weights()]
-            layout = distribution.get_data_layout((devices * per_device, 4, channels)).backend_layout
+            layout = distribution.get_data_layout((devices * per_device,) + tail).backend_layout
             x = jax.device_put(np.concatenate(xs), layout)
             dy = jax.device_put(np.concatenate(dys), layout)
-            mask_layout = distribution.get_data_layout((devices * per_device, 4)).backend_layout
+            mask_layout = distribution.get_data_layout((devices * per_device, tail[0])).backend_layout
             mask = jax.device_put(np.concatenate(masks), mask_layout) if use_mask else None
             assert len(x.sharding.device_set) == devices, x.sharding
 
@@ -103,19 +108,21 @@ def dataparallel_layer_matches_oracle():
             (_, (y, moving)), (grads, dx) = step(*args)
 
             ref = oracle.batch_norm(
-                xs, dys, gamma=initial[0], beta=initial[1], momentum=0.9, moving_mean=initial[2],
+                xs, dys, axis=axis, gamma=initial[0], beta=initial[1], momentum=0.9, moving_mean=initial[2],
                 moving_var=initial[3], masks=masks if use_mask else None)
-            np.testing.assert_allclose(np.asarray(y), np.concatenate(ref["y"]), rtol=2e-5, atol=2e-5)
-            np.testing.assert_allclose(np.asarray(dx), np.concatenate(ref["dx"]), rtol=2e-5, atol=2e-5)
-            np.testing.assert_allclose(np.asarray(grads[0]), ref["dgamma"], rtol=2e-5, atol=2e-5)
-            np.testing.assert_allclose(np.asarray(grads[1]), ref["dbeta"], rtol=2e-5, atol=2e-5)
-            np.testing.assert_allclose(np.asarray(moving[0]), ref["moving_mean"], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(np.asarray(moving[1]), ref["moving_var"], rtol=1e-5, atol=1e-6)
+            for got, want, tol, what in (
+                (y, np.concatenate(ref["y"]), 2e-5, "y"), (dx, np.concatenate(ref["dx"]), 2e-5, "dx"),
+                (grads[0], ref["dgamma"], 2e-5, "dgamma"), (grads[1], ref["dbeta"], 2e-5, "dbeta"),
+                (moving[0], ref["moving_mean"], 1e-5, "moving_mean"), (moving[1], ref["moving_var"], 1e-5, "moving_var"),
+            ):
+                got = np.asarray(got, np.float64)
+                assert np.all(np.isfinite(got)), (variant, what)
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"{devices} {variant} {what}")
             # Each device alone would have seen very different statistics.
-            local_mean = np.asarray(xs[0], np.float64).reshape(-1, channels).mean(0)
+            local_mean = np.asarray(xs[1], np.float64).reshape(-1, channels).mean(0) if axis == -1 else \
+                np.moveaxis(np.asarray(xs[1], np.float64), 1, -1).reshape(-1, channels).mean(0)
             assert np.max(np.abs(local_mean - ref["mean"])) > 0.1
-            info[f"{devices} devices{' masked' if use_mask else ''}"] = {
-                "all_reduce_ops_in_compiled_step": all_reduces}
+            info[f"{devices} devices, {variant}"] = {"all_reduce_ops_in_compiled_step": all_reduces}
     return info
 
 
@@ -186,53 +193,52 @@ def numerics():
 
 
 @check
-def too_few_values_raise():
-    """Training on a batch of one sample (static shapes: one value per channel) raises a
-    ValueError naming the layer and the count, eagerly and under jit, and updates
-    nothing; inference and a batch of 1 with 4 values per channel are fine. (A masked
-    count is data-dependent under jit and is not checked: see the layer docstring.)"""
+def degenerate_batches():
+    """At most one value per channel, or none, in training: no error, eagerly and under
+    jit, and the values of Keras's layer (variance 0, output beta; a fully masked batch
+    has mean 0 and variance 0), against the float64 oracle, counts included."""
     import jax
-    import keras
+    import jax.numpy as jnp
 
     from syncbn.keras import SyncBatchNormalization
 
     rng = np.random.default_rng(22)
-    layer = SyncBatchNormalization()
-    layer.build((None, 3))
-    before = [np.asarray(w) for w in layer.get_weights()]
-    one = (rng.standard_normal((1, 3)) + 2).astype(np.float32)
-    trainable = [v.value for v in layer.trainable_variables]
-    non_trainable = [v.value for v in layer.non_trainable_variables]
-    jitted = jax.jit(lambda x: layer.stateless_call(trainable, non_trainable, x, training=True))
     info = {}
-    for name, fn in (("eager", lambda: layer(one, training=True)), ("jit", lambda: jitted(one)),
-                     ("jit, batch 0", lambda: jitted(one[:0]))):
-        try:
-            fn()
-        except ValueError as err:
-            count = 0 if name.endswith("0") else 1
-            expected = f"{layer.name}: expected more than 1 value per channel when training, got {count} value(s)"
-            assert expected in str(err), str(err)
-            info[name] = next(line for line in str(err).splitlines() if "expected" in line)[:160]
-        else:
-            raise AssertionError(f"{name}: no ValueError for a batch of one sample")
-    for a, b in zip(layer.get_weights(), before):
-        np.testing.assert_array_equal(np.asarray(a), b)
-    layer(one, training=False)
-    jitted(np.tile(one, (2, 1)))
-    wide = SyncBatchNormalization()
-    wide(rng.standard_normal((1, 4, 3)).astype(np.float32), training=True)
+    for name, shape, mask in (("batch 1", (1, 3), None), ("mask keeps 1", (4, 2, 3), "one"),
+                              ("mask keeps 0", (4, 2, 3), "none"), ("batch 0", (0, 3), None)):
+        x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32)
+        dy = rng.standard_normal(shape).astype(np.float32)
+        m = None
+        if mask is not None:
+            m = np.zeros(shape[:-1], bool)
+            if mask == "one":
+                m[2, 1] = True
+        layer = SyncBatchNormalization(momentum=0.5)
+        layer.build((None,) + shape[1:])
+        layer.set_weights([rng.uniform(0.5, 2, 3), rng.uniform(-1, 1, 3), rng.uniform(-1, 1, 3),
+                           rng.uniform(0.5, 2, 3)])
+        initial = [np.asarray(w, np.float64) for w in layer.get_weights()]
+
+        def loss(trainable, non_trainable, x):
+            y, non_trainable = layer.stateless_call(trainable, non_trainable, x, training=True, mask=m)
+            return jnp.sum(y * dy), (y, non_trainable)
+
+        grad = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)
+        args = ([v.value for v in layer.trainable_variables], [v.value for v in layer.non_trainable_variables], x)
+        ref = oracle.batch_norm([x], [dy], gamma=initial[0], beta=initial[1], momentum=0.5,
+                                moving_mean=initial[2], moving_var=initial[3], masks=None if m is None else [m])
+        for how, fn in (("eager", grad), ("jit", jax.jit(grad))):
+            (_, (y, moving)), (grads, dx) = fn(*args)
+            for got, want, what in ((y, ref["y"][0], "y"), (dx, ref["dx"][0], "dx"),
+                                    (grads[0], ref["dgamma"], "dgamma"), (grads[1], ref["dbeta"], "dbeta"),
+                                    (moving[0], ref["moving_mean"], "moving_mean"),
+                                    (moving[1], ref["moving_var"], "moving_var")):
+                got = np.asarray(got, np.float64)
+                assert np.all(np.isfinite(got)), (name, how, what, got)
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{name} {how} {what}")
+        info[name] = "as Keras"
     return info
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", nargs="+", default=list(CHECKS))
-    args = parser.parse_args()
-    setup()
-    run_checks(CHECKS, args.checks, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(CHECKS, setup)

@@ -33,14 +33,17 @@ def make_inputs(rng, sizes, tail, channels, axis=-1, offset=None, scale=None):
     return xs, dys
 
 
-def make_masks(rng, xs, axis=-1, keep=0.6):
-    """Per-replica boolean masks of each input's shape without the channel axis."""
-    masks = []
-    for x in xs:
-        shape = list(x.shape)
-        del shape[axis % x.ndim]
-        masks.append(rng.uniform(size=shape) < keep)
-    return masks
+def make_masks(rng, xs, keep=0.6):
+    """Per-replica boolean Keras masks: each input's shape without its last axis,
+    whatever the channel axis (Keras broadcasts a mask over the last axis)."""
+    return [rng.uniform(size=x.shape[:-1]) < keep for x in xs]
+
+
+def _element_weights(x, mask):
+    """A Keras mask broadcast to the whole input, as float64 0/1 weights."""
+    if mask is None:
+        return np.ones(x.shape)
+    return np.broadcast_to(np.asarray(mask, np.float64)[..., None], x.shape)
 
 
 def _channels_last(a, axis):
@@ -62,7 +65,9 @@ def batch_norm(
 ):
     """Forward, backward and buffer updates of batch norm over all replicas at once.
 
-    ``xs``/``dys``/``masks``: one array per replica. ``renorm``: None, or a dict with
+    ``xs``/``dys``/``masks``: one array per replica (a mask has its input's shape
+    without the last axis, as in Keras, and may count each channel differently).
+    ``renorm``: None, or a dict with
     ``renorm_mean``, ``renorm_std``, ``moving_std``, ``renorm_momentum`` and optional
     ``rmin``/``rmax``/``dmax`` (Keras's batch renormalization). Returns a dict with the
     per-replica ``y`` and ``dx`` (in each replica's layout), the summed ``dgamma``,
@@ -72,18 +77,18 @@ def batch_norm(
     flat = lambda a: _channels_last(a, axis).reshape(-1, channels)  # noqa: E731
     x = np.concatenate([flat(a) for a in xs])
     dy = np.concatenate([flat(a) for a in dys])
-    if masks is None:
-        w = np.ones((x.shape[0], 1))
-    else:
-        w = np.concatenate([np.asarray(m, dtype=np.float64).reshape(-1, 1) for m in masks])
+    masks = [None] * len(xs) if masks is None else masks
+    w = np.concatenate([flat(_element_weights(a, m)) for a, m in zip(xs, masks)])
     gamma = np.ones(channels) if gamma is None else np.asarray(gamma, np.float64)
     beta = np.zeros(channels) if beta is None else np.asarray(beta, np.float64)
     moving_mean = np.zeros(channels) if moving_mean is None else np.asarray(moving_mean, np.float64)
     moving_var = np.ones(channels) if moving_var is None else np.asarray(moving_var, np.float64)
 
-    n = w.sum()
-    mean = (w * x).sum(0) / n
-    var = (w * (x - mean) ** 2).sum(0) / n
+    # Per channel; a channel that counts nothing has mean 0 and variance 0 (Keras).
+    n = w.sum(0)
+    safe = np.maximum(n, 1)
+    mean = (w * x).sum(0) / safe
+    var = (w * (x - mean) ** 2).sum(0) / safe
     inv = 1.0 / np.sqrt(var + eps)
     xhat = (x - mean) * inv
     out = {"mean": mean, "var": var}
@@ -115,7 +120,7 @@ def batch_norm(
     y = (xhat * r + d) * gamma + beta
     s1 = dy.sum(0)
     s2 = (dy * xhat).sum(0)
-    dx = gamma * r * inv * (dy - w * s1 / n - w * xhat * s2 / n)
+    dx = gamma * r * inv * (dy - w * s1 / safe - w * xhat * s2 / safe)
     out["dgamma"] = (dy * (xhat * r + d)).sum(0)
     out["dbeta"] = s1
 

@@ -21,11 +21,15 @@ import numpy as np
 
 import keras_oracle as oracle
 
-# case -> (per-rank batch sizes, per-sample shape, channel axis, masked, layer kwargs)
+# case -> (per-rank batch sizes, per-sample shape, channel axis, masked, layer kwargs);
+# masked "rank 1 none" masks everything on rank 1.
 CASES = {
     "uneven": ([5, 3], (4, 3, 3), -1, False, {}),
     "empty": ([4, 0], (3, 6), 1, False, {}),
     "masked": ([3, 6], (5, 3), -1, True, {}),
+    "masked channels first": ([4, 3], (3, 5), 1, "rank 1 none", {}),
+    "one value in all": ([1, 0], (3,), -1, False, {}),
+    "nothing kept": ([2, 3], (4, 3), -1, "all none", {}),
     "renorm": ([4, 5], (2, 3), -1, False, {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.8},
                                           "renorm_momentum": 0.8}),
 }
@@ -55,20 +59,6 @@ def check_local(info):
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
-    # One value per channel in training (a batch of 1, or a mask that keeps 1): ValueError.
-    layer = SyncBatchNormalization()
-    layer.build((None, 3))
-    too_few = {}
-    for name, x, mask in (("batch 1", torch.ones(1, 3), None),
-                          ("mask keeps 1", torch.ones(4, 3), torch.tensor([False, True, False, False]))):
-        try:
-            layer(x, training=True, mask=mask)
-            too_few[name] = "no error"
-        except ValueError as err:
-            too_few[name] = str(err)
-    layer(torch.ones(1, 3), training=False)
-    info["local_too_few"] = {**too_few, "layer": layer.name}
-
     x = (rng.standard_normal((256, 16, 4)) + 1000.0).astype(np.float32)
     reference = x.astype(np.float64).reshape(-1, 4).var(0)
     errors = {}
@@ -80,11 +70,11 @@ def check_local(info):
     info["local_variance_relative_error_at_ratio_1e3"] = errors
 
 
-def check_too_few(info, rank, calls):
-    """Per-rank batches with (1, 0) samples, one value per channel in all: both ranks
-    raise; (1, 1) and then (5, 0) train. Records the errors, the all-reduce sizes, and
-    the host reads (``Tensor.item``) of each call: only a rank whose own batch holds at
-    most one value per channel reads the count."""
+def check_second_order(info, rank, calls):
+    """A gradient penalty (backward with create_graph=True) raises a RuntimeError that
+    names the problem on both ranks, after the forward all-reduce and before any
+    backward one (so neither waits); a plain backward afterwards still works and
+    issues its one all-reduce. The training step reads nothing on the host."""
     import torch
 
     from syncbn.keras import SyncBatchNormalization
@@ -98,22 +88,25 @@ def check_too_few(info, rank, calls):
         reads.append(self.numel())
         return item(self)
 
-    results = {"layer": layer.name}
     torch.Tensor.item = counting_item
+    results = {}
     try:
-        for sizes in ((1, 0), (1, 1), (5, 0)):
-            calls.clear()
-            reads.clear()
-            x = torch.arange(1.0, 3 * sizes[rank] + 1).reshape(sizes[rank], 3).requires_grad_()
-            try:
-                (layer(x, training=True) ** 2).sum().backward()
-                outcome = "trained" if bool(torch.isfinite(x.grad).all()) else "non-finite gradient"
-            except ValueError as err:
-                outcome = str(err)
-            results[str(sizes)] = {"outcome": outcome, "all_reduce": list(calls), "host_reads": len(reads)}
+        x = torch.arange(1.0, 13.0).reshape(4, 3).mul(rank + 1).requires_grad_()
+        calls.clear()
+        y = layer(x, training=True)
+        try:
+            (g,) = torch.autograd.grad((y ** 3).sum(), x, create_graph=True)
+            results["create_graph"] = "no error"
+        except RuntimeError as err:
+            results["create_graph"] = str(err)
+        results["create_graph_all_reduce"] = list(calls)
+        calls.clear()
+        (layer(x, training=True) ** 3).sum().backward()
+        results["plain"] = {"all_reduce": list(calls), "finite": bool(torch.isfinite(x.grad).all())}
+        results["host_reads"] = len(reads)
     finally:
         torch.Tensor.item = item
-    info["too_few"] = results
+    info["second_order"] = results
 
 
 def main():
@@ -147,7 +140,11 @@ def main():
             full = (None,) + tail
             channels = full[axis]
             xs, dys = oracle.make_inputs(rng, sizes, tail, channels, axis)
-            masks = oracle.make_masks(rng, xs, axis) if masked else None
+            masks = oracle.make_masks(rng, xs) if masked else None
+            if masked == "rank 1 none":
+                masks[1][:] = False
+            elif masked == "all none":
+                masks = [np.zeros_like(m) for m in masks]
             layer = SyncBatchNormalization(axis=axis, momentum=0.9, **kwargs)
             layer.build(full)
             layer.set_weights([rng.uniform(0.5, 2.0, channels).astype(np.float32)
@@ -169,7 +166,7 @@ def main():
                 dbeta=layer.beta.value.grad.numpy(),
                 **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in final.items()},
             )
-        check_too_few(info, args.rank, calls)
+        check_second_order(info, args.rank, calls)
     finally:
         syncbn.distributed.all_reduce_sum = original
         dist.destroy_process_group()

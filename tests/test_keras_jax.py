@@ -3,7 +3,6 @@ host devices. Every check runs in one worker process (``keras_jax_checks.py``, t
 blocked); each test below asserts one of them."""
 
 import importlib.util
-import json
 
 import pytest
 
@@ -22,6 +21,4 @@ def results():
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_jax(results, name):
-    info = harness.assert_check(*results, name)
-    if info:
-        print(f"{name}: {json.dumps(info, default=float)}")
+    harness.print_check(results, name)

@@ -1,9 +1,10 @@
 """The Keras peers, one process per implementation and replica count:
 ``keras.layers.BatchNormalization(synchronized=True)`` and
 ``syncbn.keras.SyncBatchNormalization``, both on the TensorFlow backend under
-``tf.distribute.MirroredStrategy`` over W logical CPU devices.
+``tf.distribute.MirroredStrategy`` over W logical CPU devices, and at W = 1 Keras's
+unsynchronized ``keras.layers.BatchNormalization`` (the one-replica reference).
 
-    python -m syncbn.bench.keras_peer --impl keras_sync|syncbn_keras --world W \\
+    python -m syncbn.bench.keras_peer --impl keras_bn|keras_sync|syncbn_keras --world W \\
         --plan PLAN.json --out RESULT.json
 
 TensorFlow fixes its logical devices and thread pools when it initializes, so each
@@ -31,7 +32,7 @@ from . import numerics
 from .peers import limit_cpus
 from .timing import measure_interleaved
 
-IMPLS = ("keras_sync", "syncbn_keras")
+IMPLS = ("keras_bn", "keras_sync", "syncbn_keras")
 
 
 def setup(world: int, threads: int):
@@ -51,8 +52,8 @@ def setup(world: int, threads: int):
 def make_layer(impl: str, axis: int, momentum: float = 0.99):
     import keras
 
-    if impl == "keras_sync":
-        return keras.layers.BatchNormalization(axis=axis, momentum=momentum, synchronized=True)
+    if impl in ("keras_bn", "keras_sync"):
+        return keras.layers.BatchNormalization(axis=axis, momentum=momentum, synchronized=impl == "keras_sync")
     from ..keras import SyncBatchNormalization
 
     return SyncBatchNormalization(axis=axis, momentum=momentum)

@@ -34,6 +34,7 @@ PEERS: Dict[str, Peer] = {
         Peer("torch_bn", "torch.nn.BatchNorm2d", "torch", ("torch",)),
         Peer("syncbn", "syncbn.SyncBatchNorm", "torch", ("torch",)),
         Peer("torch_syncbn", "torch.nn.SyncBatchNorm", "torch", ("torch",)),
+        Peer("keras_bn", "keras BatchNormalization", "keras", ("tensorflow", "keras")),
         Peer("keras_sync", "keras BatchNormalization(synchronized=True)", "keras", ("tensorflow", "keras")),
         Peer("syncbn_keras", "syncbn.keras.SyncBatchNormalization", "keras", ("tensorflow", "keras")),
         Peer("flax", "flax nn.BatchNorm(axis_name=...)", "flax", ("jax", "flax")),

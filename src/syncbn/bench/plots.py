@@ -33,9 +33,9 @@ def time_vs_world(report: dict, path: Path) -> bool:
         label = mine[0]["label"] + (" (per rank, W processes side by side)" if impl == "torch_bn" else "")
         worlds = [s["world"] for s in mine]
         ax_ms.plot(worlds, [s["geomean_ms"] for s in mine], marker="o", label=label, color=colors.get(impl))
-        if impl != "torch_bn":
-            ax_ratio.plot(worlds, [s["median_ratio_to_bn"] for s in mine], marker="o", label=label,
-                          color=colors.get(impl))
+        ratios = [s["median_ratio_to_bn"] for s in mine]
+        if impl != "torch_bn" and all(r is not None for r in ratios):  # None: no torch peer ran
+            ax_ratio.plot(worlds, ratios, marker="o", label=label, color=colors.get(impl))
     if bn_local:
         ax_ms.axhline(bn_local["geomean_ms"], color="k", ls=":", lw=1, label="torch.nn.BatchNorm2d, one process")
     ax_ratio.axhline(1.0, color="k", ls=":", lw=1)

@@ -100,7 +100,7 @@ def _timing(plan: dict, raw: dict) -> dict:
                 row["ratio_to_bn"] = row["median_ms"] / bn
         for key, text in entry.get("refusals", {}).items():
             refusals.append({"impl": key, "world": w, "refusal": text})
-    for peer in ("keras_sync", "syncbn_keras", "flax"):
+    for peer in ("keras_bn", "keras_sync", "syncbn_keras", "flax"):
         for world_text, result in sorted(raw["peers"].get(peer, {}).items(), key=lambda kv: int(kv[0])):
             w = int(world_text)
             # the flax process times several implementations side by side
@@ -117,6 +117,14 @@ def _timing(plan: dict, raw: dict) -> dict:
         if row["impl"] not in ("syncbn", "torch_bn", "syncbn_act", "syncbn_leaky") and \
                 (row["world"], row["point"]) in syncbn_at:
             row["ratio_to_syncbn"] = row["median_ms"] / syncbn_at[(row["world"], row["point"])]
+
+    # syncbn.keras against Keras's own layers at the same W: unsynchronized at one
+    # replica, synchronized=True at more
+    for reference in ("keras_bn", "keras_sync"):
+        at = {(r["world"], r["point"]): r["median_ms"] for r in rows if r["impl"] == reference}
+        for row in rows:
+            if row["impl"] == "syncbn_keras" and (row["world"], row["point"]) in at:
+                row[f"ratio_to_{reference}"] = row["median_ms"] / at[(row["world"], row["point"])]
 
     unfused_at = {(r["world"], r["point"]): r["median_ms"] for r in rows if r["impl"] == "syncbn_leaky"}
     for row in rows:
@@ -214,6 +222,21 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
                          f"over {len(ratios)} point(s); bar > 1 at every point"))
     else:
         bars.append(_bar(name, None, "not measured"))
+
+    def keras_bar(name, world, reference, passes, limit_text):
+        ratios = [r[f"ratio_to_{reference}"] for r in timing["rows"]
+                  if r["impl"] == "syncbn_keras" and r["world"] == world and f"ratio_to_{reference}" in r]
+        if not ratios:
+            bars.append(_bar(name, None, "not measured"))
+            return
+        bars.append(_bar(name, passes(ratios), f"syncbn.keras / Keras time: median {statistics.median(ratios):.2f}x, "
+                                               f"worst point {max(ratios):.2f}x over {len(ratios)} point(s); "
+                                               f"{limit_text}"))
+
+    keras_bar("syncbn.keras at 1 replica within 1.10x of keras BatchNormalization (TensorFlow)", 1, "keras_bn",
+              lambda ratios: statistics.median(ratios) <= 1.10, "bar: median <= 1.10x")
+    keras_bar("syncbn.keras at 2 replicas faster than Keras synchronized BN (MirroredStrategy)", 2, "keras_sync",
+              lambda ratios: max(ratios) < 1.0, "bar < 1 at every point")
 
     counted = comm["counted"]
     name = "communication: 1 collective forward, 1 backward, none in eval (counted at the process group)"

@@ -26,9 +26,10 @@ def _runs(plan: dict):
     selected = plan["peers"]
     if any(plans.PEERS[k].family == "torch" for k in selected):
         yield "torch", "torch", None, "syncbn.bench.torch_peer", []
-    for key in ("keras_sync", "syncbn_keras"):
+    for key in ("keras_bn", "keras_sync", "syncbn_keras"):
         if key in selected:
-            for w in plan["worlds"]["keras"]:
+            # Keras's unsynchronized layer is the one-replica reference only
+            for w in [w for w in plan["worlds"]["keras"] if key != "keras_bn" or w == 1]:
                 yield "keras", key, w, "syncbn.bench.keras_peer", ["--impl", key, "--world", w]
     if any(plans.PEERS[k].family == "flax" for k in selected):  # one process times them all
         for w in plan["worlds"]["flax"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 
 from .layer import SyncBatchNormalization
@@ -10,14 +12,32 @@ __all__ = ["convert"]
 
 
 def _is_plain_bn(layer) -> bool:
-    return isinstance(layer, keras.layers.BatchNormalization) and not isinstance(layer, SyncBatchNormalization)
+    """Exactly ``keras.layers.BatchNormalization``: the only class replaced. A subclass
+    may change what the layer does (a frozen BN that always normalizes with its moving
+    statistics, an extra constructor argument), which a synchronized copy would lose."""
+    return type(layer) is keras.layers.BatchNormalization
+
+
+def _is_bn_subclass(layer) -> bool:
+    """A BatchNormalization subclass other than ours: left alone, and named in a warning."""
+    return isinstance(layer, keras.layers.BatchNormalization) and not (
+        _is_plain_bn(layer) or isinstance(layer, SyncBatchNormalization))
 
 
 def _is_graph_model(layer) -> bool:
-    """Sequential and Functional models: rebuilt by ``keras.models.clone_model``."""
+    """Sequential and Functional models (and their subclasses)."""
     from keras.src.models.functional import Functional
 
     return isinstance(layer, (keras.Sequential, Functional))
+
+
+def _is_plain_graph_model(layer) -> bool:
+    """Exactly Sequential or Functional: ``keras.models.clone_model`` rebuilds them
+    exactly. A subclass (the keras_hub ``Backbone`` / ``Task`` pattern) has its own
+    constructor, attributes and methods, which a clone into a plain Functional loses."""
+    from keras.src.models.functional import Functional
+
+    return type(layer) in (keras.Sequential, Functional)
 
 
 def sync_from(bn):
@@ -46,7 +66,7 @@ def _copy_layer(layer):
         ) from err
 
 
-def _swap_sublayers(layer, seen):
+def _swap_sublayers(layer, seen, skipped):
     """Replace, in place, every plain BatchNormalization held by ``layer`` or by the
     layers it holds (attributes, lists, tuples and dicts of them) with a synchronized
     copy, and every nested Sequential / Functional model with a converted copy.
@@ -57,6 +77,9 @@ def _swap_sublayers(layer, seen):
     if id(layer) in seen:
         return
     seen.add(id(layer))
+    if _is_bn_subclass(layer):
+        skipped.append(layer)
+        return
     tracker = getattr(layer, "_tracker", None)
     stores = [] if tracker is None else [store for _, store in tracker.config.values()]
 
@@ -64,10 +87,10 @@ def _swap_sublayers(layer, seen):
         if _is_plain_bn(value):
             new = sync_from(value)
         elif _is_graph_model(value):
-            new = convert(value)
+            new = _convert(value, skipped)
         else:
             if isinstance(value, keras.layers.Layer):
-                _swap_sublayers(value, seen)
+                _swap_sublayers(value, seen, skipped)
             return value
         if tracker is not None and tracker.is_in_store("layers", value):
             tracker.replace_tracked_value("layers", value, new)
@@ -101,30 +124,62 @@ def convert(model):
     """Return a copy of ``model`` in which every ``keras.layers.BatchNormalization`` is a
     :class:`SyncBatchNormalization` with the same configuration and weights.
 
+    Only layers of exactly that class are replaced (and ours kept): a subclass of it
+    may behave differently (a frozen BN that always runs in inference mode, extra
+    constructor arguments), so it is left as it is and named in a warning.
+
     Sequential and Functional models are rebuilt with ``keras.models.clone_model``,
-    recursing into nested Sequential / Functional models; every other layer is copied
-    from its config and given the original's weights, and BatchNormalization layers
-    held inside custom layers (as attributes, or in lists, tuples, dicts) are replaced
-    too. A bare BatchNormalization layer gives a SyncBatchNormalization; a built
-    subclassed ``keras.Model`` is copied from its config, built on the original's
-    input shape and given its weights. The original model is left untouched and shares
-    nothing with the copy, whose outputs in inference equal the original's.
+    recursing into nested Sequential / Functional models. A subclass of them (the
+    keras_hub ``Backbone`` / ``Task`` pattern) is rebuilt through its own
+    ``from_config(get_config())``, so its class, attributes and methods are kept, given
+    the original's weights, and its BatchNormalization layers are then synchronized in
+    place (the class of such a layer in the fresh copy becomes
+    :class:`SyncBatchNormalization`, which adds no state of its own). Every other
+    layer is copied from its config and given the original's weights, and
+    BatchNormalization layers held inside custom layers (as attributes, or in lists,
+    tuples, dicts) are replaced too. A bare BatchNormalization layer gives a
+    SyncBatchNormalization; a built subclassed ``keras.Model`` is copied from its
+    config, built on the original's input shape and given its weights. The original
+    model is left untouched and shares nothing with the copy, whose outputs in
+    inference equal the original's. Layer names are kept (except in a subclass
+    rebuilt through its constructor, which names its layers afresh, as loading it from
+    a file does), and weights files (``.weights.h5``) load both ways between the
+    original and the copy.
 
     The copy is not compiled: compile it (inside ``strategy.scope()`` when training
     with a ``tf.distribute`` strategy, and build or convert it there as well so that
     its variables are mirrored).
     """
+    skipped = []
+    result = _convert(model, skipped)
+    if skipped:
+        names = sorted({f"{layer.name} ({type(layer).__name__})" for layer in skipped})
+        warnings.warn(
+            "syncbn.keras.convert left these BatchNormalization subclasses unsynchronized "
+            "(only keras.layers.BatchNormalization itself is replaced): " + "; ".join(names),
+            stacklevel=2,
+        )
+    return result
+
+
+def _convert(model, skipped):
     if _is_plain_bn(model):
         return sync_from(model)
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"convert: expected a Keras model or layer, got {type(model).__name__}")
+    if _is_bn_subclass(model):
+        skipped.append(model)
 
-    if not _is_graph_model(model):
+    if not _is_plain_graph_model(model):
         new = _copy_layer(model)
         if model.built:
-            _build_like(new, model)
+            if not new.built:
+                _build_like(new, model)
             new.set_weights(model.get_weights())
-        _swap_sublayers(new, set())
+        if _is_graph_model(new):
+            _sync_in_place(new, set(), skipped)
+        else:
+            _swap_sublayers(new, set(), skipped)
         return new
 
     copies = []  # (original, copy) pairs whose weights are copied once the model is built
@@ -132,6 +187,8 @@ def convert(model):
     def clone(layer):
         if _is_plain_bn(layer):
             return sync_from(layer)
+        if _is_bn_subclass(layer):
+            skipped.append(layer)
         new = _copy_layer(layer)
         copies.append((layer, new))
         return new
@@ -141,8 +198,35 @@ def convert(model):
     for old, new in copies:
         if old.built and new.built:
             new.set_weights(old.get_weights())
-        _swap_sublayers(new, seen)
+        if _is_graph_model(new) and not _is_plain_graph_model(new):
+            _sync_in_place(new, seen, skipped)
+        else:
+            _swap_sublayers(new, seen, skipped)
     return new_model
+
+
+def _sync_in_place(layer, seen, skipped):
+    """Make every exact BatchNormalization held by ``layer`` (a fresh copy that nothing
+    else references), at any depth, a SyncBatchNormalization without replacing the
+    object: its class changes, its variables, name and place in the graph stay.
+    ``SyncBatchNormalization`` adds no instance state to BatchNormalization (its
+    constructor only validates ``axis`` and drops ``synchronized``), so the object is
+    then exactly what its constructor would have made."""
+    if id(layer) in seen:
+        return
+    seen.add(id(layer))
+    if _is_plain_bn(layer):
+        layer.__class__ = SyncBatchNormalization
+        layer.synchronized = False
+        return
+    if _is_bn_subclass(layer):
+        skipped.append(layer)
+        return
+    for value in list(vars(layer).values()):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in list(items):
+            if isinstance(item, keras.layers.Layer):
+                _sync_in_place(item, seen, skipped)
 
 
 def _build_like(new, old):

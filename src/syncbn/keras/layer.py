@@ -11,7 +11,7 @@ from . import moments, replicas
 __all__ = ["SyncBatchNormalization"]
 
 
-@keras.saving.register_keras_serializable(package="syncbn")
+@keras.saving.register_keras_serializable(package="syncbn", name="SyncBatchNormalization")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     r"""Batch normalization whose training statistics span every replica's batch.
 
@@ -53,29 +53,25 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     With ``renorm=True`` (batch renormalization), the corrections ``r`` and ``d`` and
     the renorm moving statistics are computed from the synchronized batch statistics.
 
-    Training needs more than one value per channel in the whole batch (every replica's
-    batch together, masked-out elements not counted). With at most one, the layer
-    raises, naming itself and the count, on every replica alike, instead of
-    normalizing with a meaningless variance (Keras's own layer does not check; an empty
-    batch would pull its moving variance toward 0). ``torch.nn.BatchNorm`` raises too.
-    How it raises depends on when the count is known:
+    Masks follow Keras: a mask covers the input's leading axes (``inputs.shape[:-1]``,
+    or a shape that broadcasts to it) whatever ``axis`` is, and is broadcast over the
+    last axis; only the elements it keeps are counted, per element across replicas
+    (with the channel axis not last, each channel has its own count and the forward
+    all-reduce carries ``3C`` values). Degenerate batches give what Keras's layer gives
+    on the whole batch, with no error: one value per channel has variance 0 (output
+    ``beta``), and a channel with no counted value at all (fully masked, or an empty
+    global batch) has mean 0 and variance 0, which the moving averages then follow.
+    (Keras's own layer returns NaN statistics for an empty unmasked batch; this one
+    treats it as fully masked.) No step depends on a check of the count, so nothing
+    is read back to the host and nothing is lost under XLA (``jit_compile=True``,
+    ``jax.jit``).
 
-    - Where the layer sees the whole batch (no distribution, one replica, or JAX) and
-      its static shape holds at most one value per channel: ``ValueError`` when the
-      layer is called or traced.
-    - Otherwise the count is known only when the step runs (after the all-reduce, from
-      a mask, or from a dynamic batch size). TensorFlow: ``tf.errors.InvalidArgumentError``
-      from an assertion the outputs depend on (eagerly, in ``tf.function``,
-      ``strategy.run`` and ``fit``; nothing is updated). XLA compiles assertions to
-      nothing, so under ``jit_compile=True`` (Keras's default for ``fit`` on one GPU)
-      this check is skipped. PyTorch: ``ValueError`` after reading the count on the
-      host, which only a rank whose own batch may hold at most one value per channel
-      does (with a mask, every rank does); an asynchronous assertion under
-      ``torch.compile``.
-    - JAX with a mask: the count depends on the data, which a jitted function cannot
-      raise on; it is not checked.
-
-    Inference (``training=False``) never checks.
+    Higher-order gradients (the gradient of a gradient through a training call, e.g.
+    a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
+    hand: on TensorFlow and JAX (closed form, one device or many) and on PyTorch
+    across ``torch.distributed`` ranks (whose sums autograd cannot see). A silently
+    incomplete second derivative would be worse than none. On PyTorch in one process
+    they are exact (plain autograd).
 
     The batch variance never goes negative and has no cancellation error: float32
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
@@ -112,7 +108,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 axis = int(axis)
             except (TypeError, ValueError):
                 raise TypeError(
-                    f"{type(self).__name__}: axis must be one integer, the channel axis "
+                    f"SyncBatchNormalization: axis must be one integer, the channel axis "
                     f"(-1 for channels_last, 1 for channels_first), got axis={axis!r}"
                 ) from None
         super().__init__(
@@ -194,7 +190,18 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             )
             return ops.cast(y, self.compute_dtype)
 
-        mean, var = self._batch_statistics(x, moments.element_mask(mask, x, self.axis))
+        mask = moments.element_mask(mask, x)
+        if not self.renorm:
+            if self._local_fast_path():
+                return ops.cast(self._train_local(x, mask, gamma, beta), self.compute_dtype)
+            ctx = replicas.tf_replica_context() if keras.backend.backend() == "tensorflow" else None
+            if ctx is not None:
+                shift = ops.stop_gradient(ops.cast(self.moving_mean, dtype))
+                y, mean, var = replicas.tf_sync_train(
+                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon)
+                self._update_moving_statistics(mean, var)
+                return ops.cast(y, self.compute_dtype)
+        mean, var = self._batch_statistics(x, mask)
         if self.renorm:
             gamma, beta = self._renorm_transform(mean, var, gamma, beta, dtype)
         else:
@@ -230,56 +237,79 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 f"input shape {tuple(inputs.shape)}"
             )
 
+    def _local_fast_path(self):
+        """Whether this training call needs no communication and the backend has
+        ``keras.ops.custom_gradient`` (TensorFlow, JAX): then the closed-form batch-norm
+        gradient replaces automatic differentiation through the statistics."""
+        backend = keras.backend.backend()
+        if backend == "tensorflow":
+            return replicas.tf_replica_context() is None
+        return backend == "jax"
+
+    def _train_local(self, x, mask, gamma, beta):
+        """Training output from this batch's own statistics, with the closed-form
+        backward (per channel, ``xhat = (x - mean) / sqrt(var + eps)``, ``w`` the 0/1
+        weights of counted elements, ``N`` their number, sums over every element):
+
+            dx = gamma / sqrt(var + eps) * (dy - w * (sum dy + xhat * sum dy * xhat) / N)
+            dgamma = sum dy * xhat,   dbeta = sum dy
+
+        the same gradient as differentiating through the statistics, in two reductions
+        and one elementwise pass instead of a chain of generic ones. The statistics
+        are those of :func:`moments.local_moments` (stable far from zero)."""
+        ndim, axis = len(x.shape), self.axis
+        channels = self.moving_mean.shape[0]
+        count = moments.element_count(x, axis, mask, x.dtype)
+        frozen = ops.stop_gradient(x)
+        mean, m2 = moments.local_moments(frozen, axis, mask, count)
+        n = ops.reshape(ops.maximum(count, 1.0), moments.count_shape(ndim, axis))
+        var = m2 / n  # biased
+        self._update_moving_statistics(ops.reshape(mean, (channels,)), ops.reshape(var, (channels,)))
+        shape = moments.broadcast_shape(ndim, axis, channels)
+        inv = ops.rsqrt(var + self.epsilon)
+        gamma = ops.ones(shape, x.dtype) if gamma is None else ops.reshape(gamma, shape)
+        beta = ops.zeros(shape, x.dtype) if beta is None else ops.reshape(beta, shape)
+        weights = None if mask is None else ops.cast(mask, x.dtype)
+        axes = moments.reduction_axes(ndim, axis)
+
+        @ops.custom_gradient
+        def normalize(x, mean, inv, n, gamma, beta):
+            xhat = (x - mean) * inv
+            y = xhat * gamma + beta
+
+            def grad(*args, upstream=None):
+                dy = args[0] if upstream is None else upstream
+                s1 = ops.sum(dy, axis=axes, keepdims=True)
+                s2 = ops.sum(dy * xhat, axis=axes, keepdims=True)
+                dx = moments.input_grad(dy, xhat, gamma * inv, n, weights, s1, s2)
+                dx, s2, s1 = replicas.first_order_only((dx, s2, s1))
+                zero = ops.zeros_like
+                return dx, zero(mean), zero(inv), zero(n), s2, s1
+
+            return y, grad
+
+        return normalize(x, mean, inv, n, gamma, beta)
+
     def _batch_statistics(self, x, mask):
         """Per-channel ``(mean, biased var)`` of this training batch, over every replica
         where a distribution is active; one all-reduce each way when it needs one.
-        Fails when the whole batch holds at most one value per channel (see the class
-        docstring for how each backend raises)."""
+        ``mask`` is :func:`moments.element_mask`'s. Channels that count no element get
+        ``(0, 0)`` and one element ``(x, 0)``, as in Keras's layer."""
         # The moving mean is the same on every replica: the shift for the packed sums.
-        shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-        # Elements per channel by static shape (None if unknown); with a mask, an upper bound.
-        bound = moments.static_count(x, self.axis)
-        message = self._too_few_message()
         backend = keras.backend.backend()
         if backend == "tensorflow":
             ctx = replicas.tf_replica_context()
             if ctx is not None:
-                count, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
-                local = None
-                if mask is None:
-                    local = bound if bound is not None else moments.element_count(x, self.axis, None, "int32")
-                return replicas.tf_require_count(count, message, (mean, var), local=local)
-        elif backend == "torch":
-            if replicas.torch_world_size() > 1:
-                count, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
-                replicas.torch_require_count(count, message, local=bound if mask is None else None)
+                shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
+                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
                 return mean, var
-
-        # One replica, or a backend that presents the whole batch as one array: the
-        # local count is the global one.
-        if bound is not None and bound <= 1:
-            before, after = message
-            raise ValueError(f"{before} {bound if mask is None else f'at most {bound}'} {after}")
-        mean, var = moments.batch_moments(x, self.axis, mask)
-        if bound is not None and mask is None:
+        elif backend == "torch" and replicas.torch_world_size() > 1:
+            shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
+            _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
             return mean, var
-        count = moments.element_count(x, self.axis, mask, "int32")
-        if backend == "tensorflow":
-            return replicas.tf_require_count(count, message, (mean, var))
-        if backend == "torch":
-            replicas.torch_require_count(count, message)
-        # JAX: a masked count depends on the data, which jit cannot raise on: unchecked.
-        return mean, var
-
-    def _too_few_message(self):
-        """The error for a training batch of at most one value per channel, as the text
-        before and after the count."""
-        return (
-            f"{self.name}: expected more than 1 value per channel when training, got",
-            "value(s) per channel in the whole batch (all replicas together, masked-out "
-            "elements not counted). Batch statistics need at least 2: use a larger batch, "
-            "drop an incomplete last batch, or call the layer with training=False",
-        )
+        # One replica, or a backend that presents the whole batch as one array (JAX):
+        # the local statistics are the global ones.
+        return moments.batch_moments(x, self.axis, mask)
 
     def _normalize(self, x, mean, var, gamma, beta):
         """``(x - mean) * (gamma / sqrt(var + eps)) + beta``, subtracting the mean first
@@ -340,3 +370,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if beta is not None:
             new_beta = new_beta + beta
         return new_gamma, new_beta
+
+
+# Keras addresses a layer's weights in a ``.weights.h5`` file by its class name
+# (``layers/batch_normalization_1``), not by the layer's name. Under Keras's own class
+# name, checkpoints move both ways between a model and its converted copy (and a model
+# built with this layer loads into the plain one for deployment); Keras's default layer
+# names (``batch_normalization_N``) follow the same name. The public name, the
+# registered serialization name (``syncbn>SyncBatchNormalization``) and ``isinstance``
+# are unchanged.
+SyncBatchNormalization.__name__ = SyncBatchNormalization.__qualname__ = "BatchNormalization"

@@ -11,8 +11,9 @@ moving mean), it packs
 
     [n,  n * a,  M2 + n * a^2]        with a = m - K,
 
-``2C + 1`` values in the summing dtype (float64 where the devices have it). Summed over
-the replicas, with ``A = sum n a / N``:
+``2C + 1`` values in the summing dtype (float64 where the devices have it; ``3C``
+when a mask gives each channel its own count ``n``). Summed over the replicas, with
+``A = sum n a / N``:
 
     N = sum n,   mean = K + A,   var = sum (M2 + n a^2) / N - A^2   (biased).
 
@@ -31,12 +32,14 @@ __all__ = [
     "reduction_axes",
     "broadcast_shape",
     "element_mask",
-    "static_count",
+    "per_channel_counts",
+    "count_shape",
     "element_count",
     "local_moments",
     "batch_moments",
     "pack",
     "merge",
+    "input_grad",
 ]
 
 
@@ -53,42 +56,55 @@ def broadcast_shape(ndim: int, axis: int, channels: int) -> list:
     return shape
 
 
-def element_mask(mask, inputs, axis: int):
-    """The Keras mask (input shape without the channel axis) as a boolean tensor with a
-    size-1 channel axis, broadcast over every other axis of ``inputs``; None stays None."""
+def element_mask(mask, inputs):
+    """The Keras mask as a boolean tensor of shape ``inputs.shape[:-1] + (1,)``; None
+    stays None.
+
+    Keras's convention, whatever the channel axis: a mask covers the input's leading
+    axes (``inputs.shape[:-1]``, typically samples and timesteps; any shape that
+    broadcasts to them) and is broadcast over the last axis. With the channel on the
+    last axis every channel counts the same elements; with the channel elsewhere the
+    mask selects (sample, ..., channel) rows and each channel has its own count.
+    """
     if mask is None:
         return None
-    mask = ops.expand_dims(ops.cast(mask, "bool"), axis % len(inputs.shape))
-    shape = list(ops.shape(inputs))
-    shape[axis % len(inputs.shape)] = 1
-    return ops.broadcast_to(mask, shape)
+    shape = list(ops.shape(inputs))[:-1] + [1]
+    return ops.broadcast_to(ops.expand_dims(ops.cast(mask, "bool"), -1), shape)
 
 
-def static_count(inputs, axis: int):
-    """Elements per channel that the static shape of ``inputs`` holds (a mask may keep
-    fewer), or None when a dimension other than the channel axis is unknown."""
-    count = 1
-    for i in reduction_axes(len(inputs.shape), axis):
-        size = inputs.shape[i]
-        if size is None:
-            return None
-        count = count * size
-    return count
+def per_channel_counts(ndim: int, axis: int, mask) -> bool:
+    """Whether the channels of an ``ndim``-dimensional input count different numbers of
+    elements: only with a mask and the channel axis not last (see :func:`element_mask`)."""
+    return mask is not None and axis % ndim != ndim - 1
+
+
+def count_shape(ndim: int, axis: int) -> list:
+    """Shape that broadcasts a count (0-d, or one value per channel) against the input."""
+    return broadcast_shape(ndim, axis, -1)
 
 
 def element_count(inputs, axis: int, mask, dtype):
-    """Elements counted per channel (the same for every channel), as a 0-d ``dtype`` tensor.
+    """Elements counted per channel, in ``dtype``: a 0-d tensor when every channel counts
+    the same, else a length-C vector (:func:`per_channel_counts`).
 
     Counted directly in ``dtype`` (not in the input's float32), so that counts above
-    2**24 stay exact when ``dtype`` is float64.
+    2**24 stay exact when ``dtype`` is float64. ``mask`` is :func:`element_mask`'s.
     """
-    if mask is not None:
-        return ops.sum(ops.cast(mask, dtype))
-    shape = ops.shape(inputs)
-    count = 1
-    for i in reduction_axes(len(inputs.shape), axis):
-        count = count * shape[i]
-    return ops.cast(count, dtype)
+    ndim = len(inputs.shape)
+    if mask is None:
+        shape = ops.shape(inputs)
+        count = 1
+        for i in reduction_axes(ndim, axis):
+            count = count * shape[i]
+        return ops.cast(count, dtype)
+    kept = ops.cast(mask, dtype)
+    if not per_channel_counts(ndim, axis, mask):
+        return ops.sum(kept)
+    # The mask has size 1 on the last axis: sum over the others but the channel axis,
+    # then count the last axis's length.
+    axes = [i for i in range(ndim - 1) if i != axis % ndim]
+    per_channel = ops.reshape(ops.sum(kept, axis=axes), (-1,))
+    return per_channel * ops.cast(ops.shape(inputs)[-1], dtype)
 
 
 def local_moments(x, axis: int, mask, count):
@@ -97,12 +113,13 @@ def local_moments(x, axis: int, mask, count):
     Corrected two-pass: ``m0 = sum x / n``, then ``s = sum (x - m0)`` and
     ``q = sum (x - m0)^2`` give ``mean = m0 + s / n`` and ``M2 = q - s^2 / n``. The
     correction removes the rounding error of ``m0`` to first order, so ``M2`` keeps
-    full relative precision whatever ``|mean| / std``. ``count`` is a 0-d tensor in
-    ``x``'s dtype; with ``n = 0`` the result is zeros. Masked-out elements never enter
-    a sum (not even as ``0 * inf``).
+    full relative precision whatever ``|mean| / std``. ``count`` is
+    :func:`element_count`'s, in ``x``'s dtype; a channel with ``n = 0`` gets zeros (as
+    Keras's layer gives a fully masked channel). Masked-out elements never enter a sum
+    (not even as ``0 * inf``).
     """
     axes = reduction_axes(len(x.shape), axis)
-    safe = ops.maximum(count, 1.0)
+    safe = ops.reshape(ops.maximum(count, 1.0), count_shape(len(x.shape), axis))
     kept = x if mask is None else ops.where(mask, x, ops.zeros_like(x))
     m0 = ops.sum(kept, axis=axes, keepdims=True) / safe
     d = x - m0
@@ -125,19 +142,20 @@ def batch_moments(x, axis: int, mask):
     channels = x.shape[axis]
     count = element_count(x, axis, mask, x.dtype)
     mean, m2 = local_moments(x, axis, mask, count)
-    var = m2 / ops.maximum(count, 1.0)
+    var = m2 / ops.reshape(ops.maximum(count, 1.0), count_shape(len(x.shape), axis))
     return ops.reshape(mean, (channels,)), ops.reshape(var, (channels,))
 
 
 def pack(count, mean, m2, shift, dtype):
-    """``[n, n * a, M2 + n * a^2]`` (a = mean - shift) as one flat ``dtype`` vector.
+    """``[n, n * a, M2 + n * a^2]`` (a = mean - shift) as one flat ``dtype`` vector:
+    ``2C + 1`` values, or ``3C`` when ``count`` has one value per channel.
 
-    ``count`` is a 0-d ``dtype`` tensor; ``mean`` and ``m2`` are this replica's local
-    moments (any shape holding C values); ``shift`` is a length-C vector that every
-    replica holds identically.
+    ``count`` is :func:`element_count`'s, in ``dtype``; ``mean`` and ``m2`` are this
+    replica's local moments (any shape holding C values); ``shift`` is a length-C
+    vector that every replica holds identically.
     """
     channels = shift.shape[0]
-    n = ops.reshape(count, (1,))
+    n = ops.reshape(count, (-1,))
     a = ops.reshape(ops.cast(mean, dtype), (channels,)) - ops.cast(shift, dtype)
     m2 = ops.reshape(ops.cast(m2, dtype), (channels,))
     na = n * a
@@ -147,13 +165,32 @@ def pack(count, mean, m2, shift, dtype):
 def merge(total, shift):
     """Global ``(count, mean, biased var)`` from the replicas' summed packs.
 
-    Everything stays in the packed dtype. The variance is clamped at zero, so rounding
-    can never make it negative; a global count of zero gives ``mean = shift, var = 0``.
+    Everything stays in the packed dtype; ``count`` has 1 or C values, as packed. The
+    variance is clamped at zero, so rounding can never make it negative. A channel
+    that no replica counts (fully masked) gets ``mean = 0, var = 0``, what Keras's
+    layer computes for it on one device.
     """
     channels = shift.shape[0]
-    count = total[0]
+    counts = total.shape[0] - 2 * channels
+    count = total[:counts]
     safe = ops.maximum(count, 1.0)
-    offset = total[1 : channels + 1] / safe
-    mean = ops.cast(shift, total.dtype) + offset
-    var = ops.maximum(total[channels + 1 :] / safe - ops.square(offset), 0.0)
+    offset = total[counts : counts + channels] / safe
+    mean = ops.where(count > 0, ops.cast(shift, total.dtype) + offset, ops.zeros_like(offset))
+    var = ops.maximum(total[counts + channels :] / safe - ops.square(offset), 0.0)
     return count, mean, var
+
+
+def input_grad(dy, xhat, scale, count, weights, sum_dy, sum_dy_xhat):
+    """The closed-form input gradient of batch norm in training,
+
+        dx = scale * (dy - w * (S1 + xhat * S2) / N),
+
+    with ``scale = gamma / sqrt(var + eps)``, ``w`` the 0/1 ``weights`` of counted
+    elements (None: all), ``N = count`` (clamped at 1), and ``S1 = sum dy``,
+    ``S2 = sum dy * xhat`` over every element of the channel on every replica (every
+    element is normalized with the batch statistics, counted or not). Everything is
+    already shaped to broadcast against ``dy``."""
+    correction = (sum_dy + xhat * sum_dy_xhat) / ops.maximum(count, 1.0)
+    if weights is not None:
+        correction = correction * weights
+    return (dy - correction) * scale

@@ -13,21 +13,17 @@ exactly one collective forward and one backward, per Keras backend.
   global batch as one sharded array and XLA inserts the cross-device sums itself.
 
 Forward: every replica packs its local moments (:func:`syncbn.keras.moments.pack`,
-``2C + 1`` values), one all-reduce sums the packs, every replica merges them alike.
-Backward, given the upstream gradients ``g_mean`` and ``g_var`` of the two outputs,
-one all-reduce of ``2C`` values sums them over the replicas (each replica's loss
-depends on the shared statistics), and with ``w`` the 0/1 mask of counted elements:
+``2C + 1`` values, ``3C`` when a mask gives each channel its own count), one all-reduce
+sums the packs, every replica merges them alike. Backward, given the upstream gradients
+``g_mean`` and ``g_var`` of the two outputs, one all-reduce of ``2C`` values sums them
+over the replicas (each replica's loss depends on the shared statistics), and with
+``w`` the 0/1 mask of counted elements:
 
-    dx = w * (G_mean + 2 * G_var * (x - mean)) / N.
+    dx = w * (G_mean + 2 * G_var * (x - mean)) / max(N, 1).
 
-Too few values: training needs ``N > 1``, and ``N`` is known only after the
-all-reduce, so the check comes after it, on the summed count, the same on every
-replica. A replica whose own count is above 1 (no mask) knows that ``N`` is too and
-skips it; every replica that can be in the error case checks, so when ``N <= 1`` all
-of them raise, before the backward collective, and none is left waiting. TensorFlow
-checks in the graph (an assertion the outputs depend on, gated on the local count so
-that the common case never reads the device); torch reads the count on the host, as
-:mod:`syncbn.functional` does.
+Like Keras's own layer, nothing is checked about ``N``: a batch with one value per
+channel gives variance 0, a fully masked one mean 0 and variance 0, on every replica
+alike (they all merge the same sums), and no replica waits on another's error.
 """
 
 from __future__ import annotations
@@ -37,20 +33,68 @@ from keras import ops
 from . import moments
 
 __all__ = [
+    "first_order_only",
     "tf_replica_context",
     "tf_sum_dtype",
     "tf_sync_moments",
-    "tf_require_count",
+    "tf_sync_train",
     "torch_world_size",
     "torch_sync_moments",
-    "torch_require_count",
 ]
+
+
+SECOND_ORDER = (
+    "SyncBatchNormalization: higher-order gradients through a training call (the gradient "
+    "of a gradient, e.g. a gradient penalty) are not supported: its backward is written in "
+    "closed form, and differentiating it again would miss the statistics' terms. Compute "
+    "the penalty through a layer in inference mode, or use keras.layers.BatchNormalization "
+    "on one device"
+)
+
+
+def first_order_only(values):
+    """``values`` (a tuple of tensors) unchanged, whose own gradient raises
+    ``RuntimeError`` (:data:`SECOND_ORDER`): applied to what a closed-form backward
+    returns, so that differentiating that backward again fails clearly instead of
+    giving a second derivative without the statistics' terms. The error comes when the
+    second-order gradient is built (eagerly, or while tracing), on every replica alike.
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def guard(*values):
+            def grad(*upstream):
+                raise RuntimeError(SECOND_ORDER)
+
+            return tuple(tf.identity(v) for v in values), grad
+
+        return guard(*values)
+    if backend == "jax":
+        import jax
+
+        @jax.custom_vjp
+        def guard(*values):
+            return values
+
+        def forward(*values):
+            return values, None
+
+        def backward(residual, upstream):
+            raise RuntimeError(SECOND_ORDER)
+
+        guard.defvjp(forward, backward)
+        return guard(*values)
+    return values
 
 
 def _input_grad(x, axis, mask, mean, count, g_mean, g_var):
     """``dx`` of ``(mean, var)`` with the globally summed upstream gradients."""
     shape = moments.broadcast_shape(len(x.shape), axis, mean.shape[0])
-    inv_n = ops.cast(1.0 / ops.maximum(count, 1.0), x.dtype)
+    inv_n = ops.reshape(ops.cast(1.0 / ops.maximum(count, 1.0), x.dtype), moments.count_shape(len(x.shape), axis))
     g_mean = ops.reshape(g_mean, shape)
     g_var = ops.reshape(g_var, shape)
     dx = (g_mean + 2.0 * g_var * (x - ops.reshape(mean, shape))) * inv_n
@@ -111,40 +155,55 @@ def tf_sync_moments(x, axis, mask, shift, ctx):
             g_var = tf.zeros_like(var) if g_var is None else g_var
             summed = all_reduce(tf.concat([g_mean, g_var], axis=0))
             channels = mean.shape[0]
-            return _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
+            dx = _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
+            return first_order_only((dx,))[0]
 
         return (count, mean, var), grad
 
     return sync_moments(x)
 
 
-def tf_require_count(count, message, outputs, local=None):
-    """``outputs`` made to depend on a check that ``count > 1``; it fails with
-    ``tf.errors.InvalidArgumentError`` (``message``: the text before and after the count).
-
-    Eagerly it raises at once; in a graph the outputs carry a control dependency on the
-    assertion. ``local`` is this replica's own count when it has no mask (a Python int
-    or an int tensor): above 1, the global count is too and nothing is read, so the
-    check costs a device read only where it may fail (or with a mask). Under XLA
-    (``jit_compile``) TensorFlow compiles assertions to nothing: the check is skipped.
-    """
+def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon):
+    """A training call's ``(output, mean, biased var)`` with statistics over every
+    replica of ``ctx``: one all-reduce in forward (the moments, as in
+    :func:`tf_sync_moments`) and one of ``2C`` values in backward (``sum dy`` and
+    ``sum dy * xhat``), the input gradient in closed form
+    (:func:`syncbn.keras.moments.input_grad`). ``gamma`` / ``beta`` (None: absent)
+    get this replica's own sums as gradients, which the strategy aggregates; ``mean``
+    and ``var`` are for the moving averages and carry no gradient."""
     import tensorflow as tf
 
-    if isinstance(local, int) and local > 1:
-        return outputs
-    before, after = message
+    dtype = tf_sum_dtype(ctx)
+    ndim = len(x.shape)
+    channels = shift.shape[0]
+    shape = moments.broadcast_shape(ndim, axis, channels)
+    axes = moments.reduction_axes(ndim, axis)
+    weights = None if mask is None else tf.cast(mask, x.dtype)
+    gamma = tf.ones((channels,), x.dtype) if gamma is None else gamma
+    beta = tf.zeros((channels,), x.dtype) if beta is None else beta
 
-    def check():
-        ok = tf.debugging.Assert(count > 1, [before, tf.cast(count, tf.int64), after], summarize=1)
-        with tf.control_dependencies([ok] if ok is not None else []):
-            return tf.constant(True)
+    def all_reduce(value):
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
-    if local is None or isinstance(local, int):
-        done = check()
-    else:
-        done = tf.cond(local > 1, lambda: tf.constant(True), check)
-    with tf.control_dependencies([done]):
-        return tuple(tf.identity(t) for t in outputs)
+    @tf.custom_gradient
+    def train(x, gamma, beta):
+        count, mean, var = _forward(x, axis, mask, shift, dtype, all_reduce)
+        n = tf.reshape(tf.cast(count, x.dtype), moments.count_shape(ndim, axis))
+        inv = tf.math.rsqrt(tf.reshape(var, shape) + epsilon)
+        xhat = (x - tf.reshape(mean, shape)) * inv
+        y = xhat * tf.reshape(gamma, shape) + tf.reshape(beta, shape)
+
+        def grad(dy, *unused):
+            s1 = tf.reduce_sum(dy, axis=axes)
+            s2 = tf.reduce_sum(dy * xhat, axis=axes)
+            summed = all_reduce(tf.concat([s1, s2], axis=0))
+            dx = moments.input_grad(dy, xhat, tf.reshape(gamma, shape) * inv, n, weights,
+                                    tf.reshape(summed[:channels], shape), tf.reshape(summed[channels:], shape))
+            return first_order_only((dx, s2, s1))
+
+        return (y, tf.stop_gradient(mean), tf.stop_gradient(var)), grad
+
+    return train(x, gamma, beta)
 
 
 # --------------------------------------------------------------------------- PyTorch
@@ -162,30 +221,6 @@ def torch_sync_moments(x, axis, mask, shift):
     with one all-reduce in forward and one in backward; ``count`` (elements per channel,
     in the summing dtype) has no gradient."""
     return _torch_function().apply(x, axis, mask, shift)
-
-
-def torch_require_count(count, message, local=None):
-    """Raise ``ValueError`` (``message``: the text before and after the count) unless
-    ``count > 1``.
-
-    ``local`` is this rank's own count when it has no mask: above 1, the global count
-    is too and nothing is read. Otherwise the count is read on the host (the same rule
-    as :mod:`syncbn.functional`); under ``torch.compile`` the check is an asynchronous
-    assertion in the graph instead.
-    """
-    if local is not None and local > 1:
-        return
-    import torch
-
-    from syncbn import distributed
-
-    before, after = message
-    if distributed.compiling():
-        torch._assert_async(count > 1, f"{before} at most 1 {after}")
-        return
-    total = int(count.item())
-    if total <= 1:
-        raise ValueError(f"{before} {total} {after}")
 
 
 _TORCH_FUNCTION = None
@@ -214,6 +249,15 @@ def _torch_function():
 
         @staticmethod
         def backward(ctx, g_count, g_mean, g_var):
+            if torch.is_grad_enabled():
+                # create_graph=True: the all-reduces are invisible to autograd, so the
+                # second-order terms through the other ranks would silently be missing.
+                raise RuntimeError(
+                    "SyncBatchNormalization (Keras, torch backend): higher-order gradients "
+                    "(backward with create_graph=True, e.g. a gradient penalty) are not "
+                    "supported across torch.distributed ranks; the cross-rank sums are not "
+                    "differentiable. Compute the penalty without create_graph, or on a "
+                    "layer that is not synchronized")
             x, mean, count = ctx.saved_tensors
             summed = distributed.all_reduce_sum(torch.cat([g_mean, g_var]))
             channels = mean.shape[0]
