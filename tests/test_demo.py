@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from syncbn import cli, demo
+from syncbn import cli, demo, demo_report, demo_torch
 
 DEADLINE_S = 900  # generous: the quick demo takes well under a minute on 2 idle cores
 OPTIONS = (
     "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
     "--quick", "--lr", "--image-size", "--background-weight", "--width", "--train-size",
-    "--val-size", "--eval-every", "--progress",
+    "--val-size", "--eval-every", "--progress", "--framework",
 )
 
 
@@ -139,12 +139,12 @@ def test_cli_without_a_command_prints_help(capsys):
 
 
 def test_global_batches_are_seeded_epochs():
-    a = demo.global_batches(10, 7, 4, seed=1)
+    a = demo_report.global_batches(10, 7, 4, seed=1)
     assert a.shape == (7, 4)
-    np.testing.assert_array_equal(a, demo.global_batches(10, 7, 4, seed=1))
+    np.testing.assert_array_equal(a, demo_report.global_batches(10, 7, 4, seed=1))
     flat = a.ravel()
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
-    assert not np.array_equal(a, demo.global_batches(10, 7, 4, seed=2))
+    assert not np.array_equal(a, demo_report.global_batches(10, 7, 4, seed=2))
 
 
 def test_mean_of_rank_losses_is_the_big_batch_loss():
@@ -152,25 +152,26 @@ def test_mean_of_rank_losses_is_the_big_batch_loss():
     logits = torch.randn(8, 11, 6, 6, generator=gen, dtype=torch.float64)
     masks = torch.randint(0, 11, (8, 6, 6), generator=gen)
     weight = torch.rand(11, generator=gen, dtype=torch.float64) + 0.1
-    big = demo.per_image_loss(logits, masks, weight).mean()
-    ranks = [demo.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
+    big = demo_torch.per_image_loss(logits, masks, weight).mean()
+    ranks = [demo_torch.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
     torch.testing.assert_close(torch.stack(ranks).mean(), big, rtol=1e-14, atol=0)
 
 
 def test_learning_rate_decays_from_the_peak():
-    config = demo.DemoConfig(steps=10, lr=0.1)
-    rates = [demo.learning_rate(config, s) for s in range(1, 11)]
+    rates = [demo_report.learning_rate(0.1, 10, s) for s in range(1, 11)]
     assert rates[0] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] > 0
 
 
 def test_relative_difference():
-    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 0.0])}
-    same = {k: v.clone() for k, v in ref.items()}
-    assert demo.relative_difference(same, ref)[0] == 0.0
-    moved = {"a": torch.tensor([3.0, 4.5]), "b": torch.tensor([1.0, 0.0])}
-    value, name = demo.relative_difference(moved, ref)
+    ref = {"a": np.array([3.0, 4.0], np.float32), "b": np.array([1.0, 0.0], np.float32)}
+    same = {k: v.copy() for k, v in ref.items()}
+    assert demo_report.relative_difference(same, ref)[0] == 0.0
+    moved = {"a": np.array([3.0, 4.5], np.float32), "b": np.array([1.0, 0.0], np.float32)}
+    value, name = demo_report.relative_difference(moved, ref)
     assert name == "a" and value == pytest.approx(0.1)
+    broken = {"a": np.array([3.0, np.nan], np.float32), "b": ref["b"]}
+    assert demo_report.relative_difference(broken, ref) == (np.inf, "a")
 
 
 def test_eval_steps_end_at_the_last_step():
