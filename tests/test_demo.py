@@ -5,80 +5,21 @@ session, and kill that session if the deadline passes, so a stuck worker can nev
 hang the suite. They check the figures written to results.json, never timings.
 """
 
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
+from demo_checks import check_report, run_command
 from syncbn import cli, demo, demo_report, demo_torch
 
-DEADLINE_S = 900  # generous: the quick demo takes well under a minute on 2 idle cores
 OPTIONS = (
     "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
     "--quick", "--lr", "--image-size", "--background-weight", "--width", "--train-size",
     "--val-size", "--eval-every", "--progress", "--framework",
 )
-
-
-def run_command(args, cwd, timeout=DEADLINE_S):
-    """Run a command in its own session; kill the whole session if it overstays."""
-    proc = subprocess.Popen(
-        args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-    return out, err
-
-
-def check_report(out_dir, world_size, launcher):
-    with open(os.path.join(out_dir, "results.json")) as fh:
-        report = json.load(fh)
-    assert report["launcher"] == launcher
-    assert report["config"]["world_size"] == world_size
-    assert report["global_batch"] == world_size * report["config"]["batch_per_rank"]
-    assert report["model"]["batchnorm_layers"] >= 10
-    runs = report["runs"]
-    assert set(runs) == {"per_rank_bn", "syncbn", "big_batch"}
-    steps = report["config"]["steps"]
-    for run in runs.values():
-        assert len(run["loss_curve"]) == steps
-        assert np.isfinite(run["loss_curve"]).all()
-        assert 0.0 <= run["final_val_miou"] <= 1.0
-        assert all(0.0 <= m <= 1.0 for _, m in run["val_miou_curve"])
-        assert run["val_miou_curve"][-1] == [steps, run["final_val_miou"]]
-    # all three start from the same weights, so they are evaluated alike at step 0
-    assert len({run["val_miou_curve"][0][1] for run in runs.values()}) == 1
-
-    sync = report["syncbn_vs_big_batch"]
-    per_rank = report["per_rank_bn_vs_big_batch"]
-    assert sync == runs["syncbn"]["param_rel_diff_vs_big_batch"]
-    assert per_rank == runs["per_rank_bn"]["param_rel_diff_vs_big_batch"]
-    assert "||" in report["param_rel_diff_definition"]
-    assert sync < 1e-3, f"syncbn vs big batch {sync}"
-    assert per_rank > 1e-2 and per_rank > 10 * sync, (per_rank, sync)
-    assert report["syncbn_matches_big_batch"] and report["per_rank_bn_further_away"]
-    assert runs["syncbn"]["buffer_rel_diff_vs_big_batch"] < 1e-3
-    big = runs["big_batch"]["final_loss"]
-    assert abs(runs["syncbn"]["final_loss"] - big) <= 1e-3 * abs(big)
-
-    for name in ("results.json", "curves.png", "samples.png"):
-        path = os.path.join(out_dir, name)
-        assert os.path.getsize(path) > 1000, path
-    for name in ("curves.png", "samples.png"):
-        with open(os.path.join(out_dir, name), "rb") as fh:
-            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    return report
 
 
 def test_quick_demo_spawned(tmp_path):
@@ -126,6 +67,24 @@ def test_config_defaults_quick_and_explicit_options():
     assert (mixed.steps, mixed.world_size, mixed.seed, mixed.val_size) == (7, 3, 9, demo.QUICK["val_size"])
     assert parse("--device", "cuda").backend == "nccl"
     assert parse("--device", "cuda", "--backend", "gloo").backend == "gloo"
+
+
+def test_keras_config_and_backends():
+    config = parse("--framework", "keras", "--quick")
+    assert (config.framework, config.backend, config.device) == ("keras", "tensorflow", "auto")
+    assert parse("--framework", "keras", "--backend", "jax").backend == "jax"
+    assert parse("--framework", "keras", "--device", "cpu").device == "cpu"
+    with pytest.raises(SystemExit, match="Keras backend"):
+        parse("--backend", "jax")
+    with pytest.raises(SystemExit, match="torch.distributed backend"):
+        parse("--framework", "keras", "--backend", "gloo")
+
+
+def test_restarted_process_gets_the_same_config():
+    for argv in ((), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
+                 ("--framework", "keras", "--backend", "jax", "--device", "cpu", "--seed", "3")):
+        config = parse(*argv)
+        assert parse(*demo.to_argv(config)) == config, argv
 
 
 def test_nccl_needs_cuda():

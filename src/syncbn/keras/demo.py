@@ -80,7 +80,7 @@ def _values(variables) -> Dict[str, np.ndarray]:
     return {v.path: np.array(ops.convert_to_numpy(v.value), dtype=np.float32, copy=True) for v in variables}
 
 
-def _train_loop(run_name: str, position: int, title: str, step_fn, model, config, data: _Data,
+def _train_loop(position: int, title: str, step_fn, model, config, data: _Data,
                 progress: bool) -> RunRecord:
     """The loop shared by both backends: ``step_fn(step, x, y)`` trains on one global
     batch and returns its loss as a float; the model is evaluated at the eval steps."""
@@ -114,6 +114,13 @@ def _train_loop(run_name: str, position: int, title: str, step_fn, model, config
     return record
 
 
+def _model_with(initial, config):
+    """A fresh :func:`tiny_unet` holding the weights ``initial``."""
+    model = tiny_unet(config.seed, config.image_size, width=config.width)
+    model.set_weights(initial)
+    return model
+
+
 def _optimizer(config):
     # cosine decay from the peak at step 1 (optimizer iteration 0) towards 0, as the torch demo
     schedule = keras.optimizers.schedules.CosineDecay(config.lr, decay_steps=config.steps)
@@ -123,14 +130,13 @@ def _optimizer(config):
 # --------------------------------------------------------------------------- TensorFlow
 
 
-def _tf_run(run_name, position, title, strategy, initial, config, data, progress, sync: bool):
+def _tf_run(position, title, strategy, initial, config, data, progress, sync: bool):
     import tensorflow as tf
 
     replicas = strategy.num_replicas_in_sync
     b = config.global_batch // replicas
     with strategy.scope():
-        model = tiny_unet(config.seed, config.image_size, width=config.width)
-        model.set_weights(initial)
+        model = _model_with(initial, config)
         if sync:
             model = convert(model)
         optimizer = _optimizer(config)
@@ -159,38 +165,115 @@ def _tf_run(run_name, position, title, strategy, initial, config, data, progress
         ys = strategy.experimental_distribute_values_from_function(rows(y))
         return float(distributed_step(xs, ys))
 
-    record = _train_loop(run_name, position, title, step_fn, model, config, data, progress)
-    return record, model
+    return _train_loop(position, title, step_fn, model, config, data, progress), model
 
 
 def _tf_three_ways(config, devices: List[str], data: _Data, initial, progress: bool):
     import tensorflow as tf
 
-    titles = _titles(config, "MirroredStrategy")
+    titles = {
+        "per_rank_bn": "per-replica BN, MirroredStrategy",
+        "syncbn": "syncbn, MirroredStrategy",
+        "big_batch": f"one replica, batch {config.global_batch}",
+    }
     strategy = tf.distribute.MirroredStrategy(devices)
     if strategy.num_replicas_in_sync != config.world_size:
         raise RuntimeError(f"MirroredStrategy has {strategy.num_replicas_in_sync} replicas, "
                            f"expected {config.world_size}")
     records = {}
-    records["per_rank_bn"], _ = _tf_run("per_rank_bn", 1, titles["per_rank_bn"], strategy, initial, config,
+    records["per_rank_bn"], _ = _tf_run(1, titles["per_rank_bn"], strategy, initial, config,
                                         data, progress, sync=False)
-    records["syncbn"], synced = _tf_run("syncbn", 2, titles["syncbn"], strategy, initial, config, data,
+    records["syncbn"], synced = _tf_run(2, titles["syncbn"], strategy, initial, config, data,
                                         progress, sync=True)
     one = tf.distribute.OneDeviceStrategy(devices[0])
-    records["big_batch"], _ = _tf_run("big_batch", 3, titles["big_batch"], one, initial, config, data,
+    records["big_batch"], _ = _tf_run(3, titles["big_batch"], one, initial, config, data,
                                       progress, sync=False)
     return records, _count_sync(synced)
 
 
-# --------------------------------------------------------------------------- report
+# --------------------------------------------------------------------------- JAX
 
 
-def _titles(config, how: str) -> Dict[str, str]:
-    return {
-        "per_rank_bn": f"per-replica BN, {how}",
-        "syncbn": f"syncbn, {how}",
-        "big_batch": f"one replica, batch {config.global_batch}",
+def _jax_run(position, title, mode, mesh, initial, config, data, progress):
+    """``mode``: "per_device" (shard_map, each device its own slice and BN statistics),
+    "data_parallel" (the batch sharded over ``mesh``, a keras.distribution.DataParallel),
+    or "one_device"."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    distribution = mesh if mode == "data_parallel" else None
+    if distribution is not None:
+        with distribution.scope():
+            model = convert(_model_with(initial, config))
+    else:
+        model = _model_with(initial, config)
+    optimizer = _optimizer(config)
+    optimizer.build(model.trainable_variables)
+    class_weight = ops.convert_to_tensor(data.class_weight)
+
+    def loss_fn(trainable, non_trainable, x, y):
+        logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        return ops.mean(per_image_loss(logits, y, class_weight)), non_trainable
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state, x, y):
+        trainable, non_trainable, opt_vars = state
+        (loss, non_trainable), grads = grad_fn(trainable, non_trainable, x, y)
+        if mode == "per_device":
+            # the mean of the devices' gradients is the gradient of the global batch's mean loss
+            grads, loss = jax.lax.pmean((grads, loss), "batch")
+            non_trainable = jax.lax.pmean(non_trainable, "batch")  # moving statistics: the average
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        return loss, (trainable, non_trainable, opt_vars)
+
+    if mode == "per_device":
+        replicated = P()
+        step = jax.shard_map(step, mesh=mesh, in_specs=(replicated, P("batch"), P("batch")),
+                             out_specs=(replicated, replicated), check_vma=False)
+    step = jax.jit(step, donate_argnums=0)
+    state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
+             [v.value for v in optimizer.variables])
+
+    def place(array):
+        if distribution is not None:
+            return keras.distribution.distribute_tensor(array, distribution.get_data_layout(array.shape))
+        return jax.numpy.asarray(array)
+
+    def step_fn(number, x, y):
+        nonlocal state
+        loss, state = step(state, place(x), place(y))
+        for variable, value in zip(model.trainable_variables, state[0]):
+            variable.assign(value)
+        for variable, value in zip(model.non_trainable_variables, state[1]):
+            variable.assign(value)
+        return float(loss)
+
+    return _train_loop(position, title, step_fn, model, config, data, progress), model
+
+
+def _jax_three_ways(config, data, initial, progress):
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices()[: config.world_size]
+    mesh = Mesh(np.array(devices), ("batch",))
+    data_parallel = keras.distribution.DataParallel(devices=devices)
+    titles = {
+        "per_rank_bn": "per-device BN, shard_map",
+        "syncbn": "syncbn, DataParallel",
+        "big_batch": f"one device, batch {config.global_batch}",
     }
+    records = {}
+    records["per_rank_bn"], _ = _jax_run(1, titles["per_rank_bn"], "per_device", mesh, initial, config, data,
+                                         progress)
+    records["syncbn"], synced = _jax_run(2, titles["syncbn"], "data_parallel", data_parallel, initial, config,
+                                         data, progress)
+    records["big_batch"], _ = _jax_run(3, titles["big_batch"], "one_device", None, initial, config, data, progress)
+    return records, _count_sync(synced)
+
+
+# --------------------------------------------------------------------------- report
 
 
 def _count_sync(model) -> int:
@@ -212,15 +295,22 @@ def train_three_ways(config, devices: List[str], progress: bool) -> dict:
         import tensorflow as tf
 
         records, synced = _tf_three_ways(config, devices, data, initial, progress)
-        launcher = "MirroredStrategy"
+        launcher = how = "MirroredStrategy"
         versions = {"tensorflow_version": tf.__version__}
+    elif backend == "jax":
+        import jax
+
+        records, synced = _jax_three_ways(config, data, initial, progress)
+        launcher = "DataParallel"
+        how = "shard_map (run 1) / DataParallel (run 2)"
+        versions = {"jax_version": jax.__version__}
     else:
         raise RuntimeError(f"syncbn demo: no Keras demo for the {backend} backend")
     if synced != count_batchnorm(probe):
         raise RuntimeError(f"convert left {count_batchnorm(probe) - synced} BatchNormalization layers unsynchronized")
     kinds = sorted({d.strip("/").split(":")[0].upper() for d in devices})
     setup = (f"{config.world_size} replicas x {config.batch_per_rank} images = global batch "
-             f"{config.global_batch}, {config.steps} steps, Keras/{backend} {launcher} over "
+             f"{config.global_batch}, {config.steps} steps, Keras/{backend} {how} over "
              f"{len(devices)} {'/'.join(kinds)} devices")
     meta = {
         "framework": "keras",
