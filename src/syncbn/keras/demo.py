@@ -231,7 +231,7 @@ def _jax_run(position, title, mode, mesh, initial, config, data, progress):
         replicated = P()
         step = jax.shard_map(step, mesh=mesh, in_specs=(replicated, P("batch"), P("batch")),
                              out_specs=(replicated, replicated), check_vma=False)
-    step = jax.jit(step, donate_argnums=0)
+    step = jax.jit(step)
     state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
              [v.value for v in optimizer.variables])
 
