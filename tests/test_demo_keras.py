@@ -31,3 +31,13 @@ def test_quick_keras_demo_mirrored(tmp_path):
     assert "syncbn matches the big batch" in out
     for title in ("per-replica BN, MirroredStrategy", "syncbn, MirroredStrategy", "one replica, batch 8"):
         assert title in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
+def test_short_keras_demo_on_jax(tmp_path):
+    # a few steps only: on JAX each of the three runs compiles its own step
+    out_dir, out = run_demo(tmp_path, "jax", "--quick", "--steps", "4", "--eval-every", "2")
+    report = check_report(out_dir, 4, "DataParallel")
+    assert report["keras_backend"] == "jax" and report["devices"] == [f"cpu:{i}" for i in range(4)]
+    for title in ("per-device BN, shard_map", "syncbn, DataParallel", "one device, batch 8"):
+        assert title in out

@@ -12,12 +12,13 @@ same order; replica ``r`` of ``W`` gets rows ``r * b .. (r + 1) * b`` of each.
 2. ``syncbn``: the same after :func:`syncbn.keras.convert`.
 3. ``big_batch``: one replica fed the whole global batch.
 
-The loss of a replica is the mean over its images of each image's mean weighted pixel
-cross-entropy, divided by ``W``; the replicas' gradients are summed (the Keras
-optimizer's all-reduce under ``tf.distribute``; a sum over the sharded batch axis
-under JAX), so the gradient is that of the mean over the global batch, which is the
-big batch's loss. With synchronized BN every layer's forward and backward are those of
-the global batch, so runs 2 and 3 differ only by float32 summation order.
+The loss of a batch is the mean over its images of each image's mean weighted pixel
+cross-entropy. Under ``tf.distribute`` each replica divides its loss by ``W`` and the
+Keras optimizer sums the replicas' gradients; under ``shard_map`` the devices' gradients
+are averaged; under ``DataParallel`` the loss is the mean over the sharded global
+batch itself. Either way the gradient is that of the big batch's loss. With
+synchronized BN every layer's forward and backward are those of the global batch, so
+runs 2 and 3 differ only by float32 summation order.
 
 TensorFlow: ``tf.distribute.MirroredStrategy`` over the given devices, a custom loop
 (``strategy.run`` of a traced step, each replica's slice placed with
