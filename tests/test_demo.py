@@ -135,3 +135,10 @@ def test_relative_difference():
 
 def test_eval_steps_end_at_the_last_step():
     assert demo.DemoConfig(steps=10, eval_every=4).eval_steps() == [0, 4, 8, 10]
+
+
+def test_torch_demo_imports_no_keras_framework(tmp_path):
+    code = ("import sys, syncbn.demo, syncbn.demo_torch, syncbn.demo_report; "
+            "print(sorted(m for m in ('tensorflow', 'keras', 'jax') if m in sys.modules))")
+    out, _ = run_command([sys.executable, "-c", code], tmp_path, timeout=300)
+    assert out.strip() == "[]"
