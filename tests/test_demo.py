@@ -142,3 +142,29 @@ def test_torch_demo_imports_no_keras_framework(tmp_path):
             "print(sorted(m for m in ('tensorflow', 'keras', 'jax') if m in sys.modules))")
     out, _ = run_command([sys.executable, "-c", code], tmp_path, timeout=300)
     assert out.strip() == "[]"
+
+
+def _record(title, shift, steps=2):
+    snap = {"w": np.array([1.0 + shift, 2.0], np.float32)}
+    return demo_report.RunRecord(title, losses=[1.0, 0.5], miou={0: 0.1, steps: 0.2},
+                                 snapshots={0: snap, steps: snap}, buffers=dict(snap),
+                                 class_iou=[0.2] * 11, predictions=np.zeros((1, 4, 4), np.uint8))
+
+
+@pytest.mark.parametrize("sync_shift, per_rank_shift, matches, separated", [
+    (1e-4, 1.0, True, True),      # the bars met: 4.5e-5 < 1e-3, 10^4 x further
+    (1e-4, 5e-3, True, False),    # per-rank BN only 50x further away
+    (1e-2, 1.0, False, True),     # syncbn above the 1e-3 bar
+    (np.nan, 1.0, False, False),  # a NaN never passes
+])
+def test_the_bars_are_printed(sync_shift, per_rank_shift, matches, separated):
+    config = demo.DemoConfig(steps=2, samples=1)
+    records = {"per_rank_bn": _record("per-replica BN, somewhere", per_rank_shift),
+               "syncbn": _record("syncbn, somewhere", sync_shift), "big_batch": _record("one replica", 0.0)}
+    samples = {"images": np.zeros((1, 1, 4, 4), np.float32), "truth": np.zeros((1, 4, 4), np.int64)}
+    report = demo_report.summarize(config, "a test", "none", records, samples, {"model": {"batchnorm_layers": 1}})
+    assert (report["syncbn_matches_big_batch"], report["per_rank_bn_further_away"]) == (matches, separated)
+    table = demo_report.format_table(report)
+    assert ("syncbn matches the big batch" in table) == matches
+    assert ("WARNING: syncbn is" in table) == (not matches)
+    assert ("less than the 100x bar" in table) == (not separated)

@@ -263,10 +263,11 @@ def format_table(report: dict) -> str:
         verdict = f"syncbn matches the big batch: {sync:.1e} < {report['bar']:.0e}"
     else:
         verdict = f"WARNING: syncbn is {sync:.1e} away from the big batch, above the {report['bar']:.0e} bar"
+    first = runs["per_rank_bn"]["title"].split(",")[0].replace(" under DDP", "")  # "per-rank BN"
     if sync > 0:
-        verdict += f"; per-rank BN is {per_rank / sync:.0f}x further away ({per_rank:.1e})"
+        verdict += f"; {first} is {per_rank / sync:.0f}x further away ({per_rank:.1e})"
     else:
-        verdict += f"; per-rank BN is {per_rank:.1e} away"
+        verdict += f"; {first} is {per_rank:.1e} away"
     if not report["per_rank_bn_further_away"]:
         verdict += f", WARNING: less than the {report['separation_bar']:.0f}x bar"
     lines.append(verdict + ".")
