@@ -5,84 +5,21 @@ session, and kill that session if the deadline passes, so a stuck worker can nev
 hang the suite. They check the figures written to results.json, never timings.
 """
 
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from syncbn import cli, demo
+from demo_checks import check_report, run_command
+from syncbn import cli, demo, demo_report, demo_torch
 
-DEADLINE_S = 900  # generous: the quick demo takes well under a minute on 2 idle cores
 OPTIONS = (
     "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
     "--quick", "--lr", "--image-size", "--background-weight", "--width", "--train-size",
-    "--val-size", "--eval-every", "--progress",
+    "--val-size", "--eval-every", "--progress", "--framework",
 )
-
-
-def run_command(args, cwd, timeout=DEADLINE_S):
-    """Run a command in its own session; kill the whole session if it overstays."""
-    proc = subprocess.Popen(
-        args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-    return out, err
-
-
-def check_report(out_dir, world_size, launcher):
-    with open(os.path.join(out_dir, "results.json")) as fh:
-        report = json.load(fh)
-    assert report["launcher"] == launcher
-    assert report["config"]["world_size"] == world_size
-    assert report["global_batch"] == world_size * report["config"]["batch_per_rank"]
-    assert report["model"]["batchnorm_layers"] >= 10
-    runs = report["runs"]
-    assert set(runs) == {"per_rank_bn", "syncbn", "big_batch"}
-    steps = report["config"]["steps"]
-    for run in runs.values():
-        assert len(run["loss_curve"]) == steps
-        assert np.isfinite(run["loss_curve"]).all()
-        assert 0.0 <= run["final_val_miou"] <= 1.0
-        assert all(0.0 <= m <= 1.0 for _, m in run["val_miou_curve"])
-        assert run["val_miou_curve"][-1] == [steps, run["final_val_miou"]]
-    # all three start from the same weights, so they are evaluated alike at step 0
-    assert len({run["val_miou_curve"][0][1] for run in runs.values()}) == 1
-
-    sync = report["syncbn_vs_big_batch"]
-    per_rank = report["per_rank_bn_vs_big_batch"]
-    assert sync == runs["syncbn"]["param_rel_diff_vs_big_batch"]
-    assert per_rank == runs["per_rank_bn"]["param_rel_diff_vs_big_batch"]
-    assert "||" in report["param_rel_diff_definition"]
-    # float32 training: syncbn and the big batch differ only by the order of float32 sums, and
-    # such differences grow with the steps (no closed bound for a training trajectory): measured
-    # 3.2e-5 after 300 steps (README), less in this 24-step run; per-rank BN is ~1 away. The bar
-    # (demo.DIFF_BAR, 1e-3) is the demo's own claim, 30x above the 300-step figure.
-    assert sync < 1e-3, f"syncbn vs big batch {sync}"
-    assert per_rank > 1e-2 and per_rank > 10 * sync, (per_rank, sync)
-    assert report["syncbn_matches_big_batch"] and report["per_rank_bn_further_away"]
-    assert runs["syncbn"]["buffer_rel_diff_vs_big_batch"] < 1e-3
-    big = runs["big_batch"]["final_loss"]
-    assert abs(runs["syncbn"]["final_loss"] - big) <= 1e-3 * abs(big)
-
-    for name in ("results.json", "curves.png", "samples.png"):
-        path = os.path.join(out_dir, name)
-        assert os.path.getsize(path) > 1000, path
-    for name in ("curves.png", "samples.png"):
-        with open(os.path.join(out_dir, name), "rb") as fh:
-            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    return report
 
 
 def test_quick_demo_spawned(tmp_path):
@@ -132,6 +69,24 @@ def test_config_defaults_quick_and_explicit_options():
     assert parse("--device", "cuda", "--backend", "gloo").backend == "gloo"
 
 
+def test_keras_config_and_backends():
+    config = parse("--framework", "keras", "--quick")
+    assert (config.framework, config.backend, config.device) == ("keras", "tensorflow", "auto")
+    assert parse("--framework", "keras", "--backend", "jax").backend == "jax"
+    assert parse("--framework", "keras", "--device", "cpu").device == "cpu"
+    with pytest.raises(SystemExit, match="Keras backend"):
+        parse("--backend", "jax")
+    with pytest.raises(SystemExit, match="torch.distributed backend"):
+        parse("--framework", "keras", "--backend", "gloo")
+
+
+def test_restarted_process_gets_the_same_config():
+    for argv in ((), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
+                 ("--framework", "keras", "--backend", "jax", "--device", "cpu", "--seed", "3")):
+        config = parse(*argv)
+        assert parse(*demo.to_argv(config)) == config, argv
+
+
 def test_nccl_needs_cuda():
     with pytest.raises(SystemExit, match="nccl"):
         cli.main(["demo", "--backend", "nccl", "--device", "cpu"])
@@ -143,12 +98,12 @@ def test_cli_without_a_command_prints_help(capsys):
 
 
 def test_global_batches_are_seeded_epochs():
-    a = demo.global_batches(10, 7, 4, seed=1)
+    a = demo_report.global_batches(10, 7, 4, seed=1)
     assert a.shape == (7, 4)
-    np.testing.assert_array_equal(a, demo.global_batches(10, 7, 4, seed=1))
+    np.testing.assert_array_equal(a, demo_report.global_batches(10, 7, 4, seed=1))
     flat = a.ravel()
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
-    assert not np.array_equal(a, demo.global_batches(10, 7, 4, seed=2))
+    assert not np.array_equal(a, demo_report.global_batches(10, 7, 4, seed=2))
 
 
 def test_mean_of_rank_losses_is_the_big_batch_loss():
@@ -156,28 +111,62 @@ def test_mean_of_rank_losses_is_the_big_batch_loss():
     logits = torch.randn(8, 11, 6, 6, generator=gen, dtype=torch.float64)
     masks = torch.randint(0, 11, (8, 6, 6), generator=gen)
     weight = torch.rand(11, generator=gen, dtype=torch.float64) + 0.1
-    big = demo.per_image_loss(logits, masks, weight).mean()
-    ranks = [demo.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
+    big = demo_torch.per_image_loss(logits, masks, weight).mean()
+    ranks = [demo_torch.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
     # float64: the mean of 4 means of 2 vs one mean of 8, a handful of roundings of 2^-53 (1.1e-16)
     # relative each; bound 1e-14 (about 90 of them)
     torch.testing.assert_close(torch.stack(ranks).mean(), big, rtol=1e-14, atol=0)
 
 
 def test_learning_rate_decays_from_the_peak():
-    config = demo.DemoConfig(steps=10, lr=0.1)
-    rates = [demo.learning_rate(config, s) for s in range(1, 11)]
+    rates = [demo_report.learning_rate(0.1, 10, s) for s in range(1, 11)]
     assert rates[0] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] > 0
 
 
 def test_relative_difference():
-    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 0.0])}
-    same = {k: v.clone() for k, v in ref.items()}
-    assert demo.relative_difference(same, ref)[0] == 0.0
-    moved = {"a": torch.tensor([3.0, 4.5]), "b": torch.tensor([1.0, 0.0])}
-    value, name = demo.relative_difference(moved, ref)
+    ref = {"a": np.array([3.0, 4.0], np.float32), "b": np.array([1.0, 0.0], np.float32)}
+    same = {k: v.copy() for k, v in ref.items()}
+    assert demo_report.relative_difference(same, ref)[0] == 0.0
+    moved = {"a": np.array([3.0, 4.5], np.float32), "b": np.array([1.0, 0.0], np.float32)}
+    value, name = demo_report.relative_difference(moved, ref)
     assert name == "a" and value == pytest.approx(0.1)
+    broken = {"a": np.array([3.0, np.nan], np.float32), "b": ref["b"]}
+    assert demo_report.relative_difference(broken, ref) == (np.inf, "a")
 
 
 def test_eval_steps_end_at_the_last_step():
     assert demo.DemoConfig(steps=10, eval_every=4).eval_steps() == [0, 4, 8, 10]
+
+
+def test_torch_demo_imports_no_keras_framework(tmp_path):
+    code = ("import sys, syncbn.demo, syncbn.demo_torch, syncbn.demo_report; "
+            "print(sorted(m for m in ('tensorflow', 'keras', 'jax') if m in sys.modules))")
+    out, _ = run_command([sys.executable, "-c", code], tmp_path, timeout=300)
+    assert out.strip() == "[]"
+
+
+def _record(title, shift, steps=2):
+    snap = {"w": np.array([1.0 + shift, 2.0], np.float32)}
+    return demo_report.RunRecord(title, losses=[1.0, 0.5], miou={0: 0.1, steps: 0.2},
+                                 snapshots={0: snap, steps: snap}, buffers=dict(snap),
+                                 class_iou=[0.2] * 11, predictions=np.zeros((1, 4, 4), np.uint8))
+
+
+@pytest.mark.parametrize("sync_shift, per_rank_shift, matches, separated", [
+    (1e-4, 1.0, True, True),      # the bars met: 4.5e-5 < 1e-3, 10^4 x further
+    (1e-4, 5e-3, True, False),    # per-rank BN only 50x further away
+    (1e-2, 1.0, False, True),     # syncbn above the 1e-3 bar
+    (np.nan, 1.0, False, False),  # a NaN never passes
+])
+def test_the_bars_are_printed(sync_shift, per_rank_shift, matches, separated):
+    config = demo.DemoConfig(steps=2, samples=1)
+    records = {"per_rank_bn": _record("per-replica BN, somewhere", per_rank_shift),
+               "syncbn": _record("syncbn, somewhere", sync_shift), "big_batch": _record("one replica", 0.0)}
+    samples = {"images": np.zeros((1, 1, 4, 4), np.float32), "truth": np.zeros((1, 4, 4), np.int64)}
+    report = demo_report.summarize(config, "a test", "none", records, samples, {"model": {"batchnorm_layers": 1}})
+    assert (report["syncbn_matches_big_batch"], report["per_rank_bn_further_away"]) == (matches, separated)
+    table = demo_report.format_table(report)
+    assert ("syncbn matches the big batch" in table) == matches
+    assert ("WARNING: syncbn is" in table) == (not matches)
+    assert ("less than the 100x bar" in table) == (not separated)
