@@ -20,6 +20,7 @@ _LAZY = {
     "convert_sync_batchnorm": "syncbn.convert",
     "revert_sync_batchnorm": "syncbn.convert",
     "fuse_batchnorm_act": "syncbn.convert",
+    "register_conversion": "syncbn.convert",
     "sync_groups": "syncbn.groups",
     "precise_bn": "syncbn.precise_bn",
     "functional": "syncbn.functional",
