@@ -44,17 +44,26 @@ def smp_unet_resnet18():
 
 
 def smp_deeplabv3plus_efficientnet_b0():
+    """smp's own efficientnet encoder, with its drop-connect (on by default: 0.2) off."""
+    import segmentation_models_pytorch as smp
+
+    model = smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2)
+    model.encoder._drop_connect_rate = 0.0
+    return model
+
+
+def smp_deeplabv3plus_efficientnet_b0_drop_connect():
+    """As smp builds it: drop-connect on in training, so random."""
     import segmentation_models_pytorch as smp
 
     return smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2)
 
 
-def smp_deeplabv3plus_efficientnet_b0_drop_connect():
-    """smp's own efficientnet encoder keeps drop-connect on in training: random."""
+def smp_unet_timm_efficientnet_b0():
+    """An smp encoder from timm ("tu-"): timm's BatchNormAct2d layers."""
     import segmentation_models_pytorch as smp
 
-    model = smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2)
-    return model
+    return smp.Unet("tu-efficientnet_b0", encoder_weights=None, classes=2, encoder_depth=5)
 
 
 def timm_efficientnet_b0():
