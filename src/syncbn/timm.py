@@ -65,16 +65,8 @@ def _to_sync(layer: nn.Module, process_group) -> nn.Module:
 def _to_plain(layer: nn.Module) -> nn.Module:
     from timm.layers import BatchNormAct2d
 
-    new = BatchNormAct2d(
-        layer.num_features,
-        eps=layer.eps,
-        momentum=layer.momentum,
-        affine=layer.affine,
-        track_running_stats=layer.track_running_stats,
-        apply_act=False,
-        device="meta",
-    )
-    new = _move_state(layer, new)
+    settings = {key: getattr(layer, key) for key in ("eps", "momentum", "affine", "track_running_stats")}
+    new = _move_state(layer, BatchNormAct2d(layer.num_features, **settings, apply_act=False, device="meta"))
     for name in ("drop", "act"):
         new._modules[name] = layer._modules.get(name, nn.Identity())
     return new
