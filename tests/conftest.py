@@ -41,3 +41,16 @@ def _pools():
 def pool(_pools) -> WorkerPool:
     """The session's 4-rank gloo worker pool (restarted if a test broke it)."""
     return _pools.get()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in the test process, as in the pool's workers: on 2 busy cores
+    more threads only wait for each other (float64 depthwise convolutions of timm's and
+    torchvision's mobile networks ran 50x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -21,6 +21,8 @@ timm = pytest.importorskip("timm")
 
 from syncbn.timm import SyncBatchNormDropAct  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # model -> number of BatchNorm layers (all of them timm BatchNormAct2d)
 MODELS = {"efficientnet_b0": 49, "regnetx_002": 44, "mobilenetv3_small_100": 34}
 WORLD, PER_RANK, SIZE = 2, 2, 32
@@ -38,16 +40,6 @@ def build(name):
                 m.running_mean.uniform_(-1, 1)
                 m.running_var.uniform_(0.5, 2)
     return model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as in the pool's workers: on 2 busy cores more threads only
-    wait for each other (float64 depthwise convolutions ran 50x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _bn(model):

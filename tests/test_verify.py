@@ -95,7 +95,7 @@ def _verify(pool, target, dtype, shape=(1, 3, 32, 32), steps=2):
         ("timm_mobilenetv3_small_100", "float64"),
     ],
 )
-def test_real_models_pass(pool, name, dtype):
+def test_real_models_pass(pool, one_thread, name, dtype):
     pytest.importorskip("timm")
     code, out = _verify(pool, f"verify_zoo:{name}", dtype)
     assert code == 0, out
@@ -103,7 +103,7 @@ def test_real_models_pass(pool, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_a_layer_left_local_fails(pool, dtype):
+def test_a_layer_left_local_fails(pool, one_thread, dtype):
     code, out = _verify(pool, "verify_zoo:unconverted_norm_act", dtype, shape=(2, 3, 6, 6))
     assert code == 1, out
     assert "left 1 of 2 BatchNorm layers local" in out  # the converter's warning, as a note
@@ -112,7 +112,7 @@ def test_a_layer_left_local_fails(pool, dtype):
     assert "FAIL: differences above the limit" in out
 
 
-def test_randomness_in_training_is_named(pool):
+def test_randomness_in_training_is_named(pool, one_thread):
     pytest.importorskip("timm")
     code, out = _verify(pool, "verify_zoo:timm_mobilenetv3_random", "float64", steps=1)
     assert code == 1, out
