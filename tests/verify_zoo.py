@@ -13,6 +13,15 @@ import torchvision_shim  # noqa: E402
 torchvision_shim.install()
 
 
+def _no_dropout(model):
+    """Dropout off (p = 0): DeepLabV3's ASPP heads (torchvision's and smp's) drop half their
+    features in training, which makes the model random and verify says so."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return model
+
+
 def resnet18():
     import torchvision
 
@@ -22,13 +31,13 @@ def resnet18():
 def fcn_resnet50():
     import torchvision
 
-    return _Out(torchvision.models.segmentation.fcn_resnet50(num_classes=3, weights_backbone=None))
+    return _no_dropout(_Out(torchvision.models.segmentation.fcn_resnet50(num_classes=3, weights_backbone=None)))
 
 
 def deeplabv3_mobilenet_v3_large():
     import torchvision
 
-    return _Out(torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(num_classes=3, weights_backbone=None))
+    return _no_dropout(_Out(torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(num_classes=3, weights_backbone=None)))
 
 
 def lraspp_mobilenet_v3_large():
@@ -47,23 +56,23 @@ def smp_deeplabv3plus_efficientnet_b0():
     """smp's own efficientnet encoder, with its drop-connect (on by default: 0.2) off."""
     import segmentation_models_pytorch as smp
 
-    model = smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2)
+    model = _no_dropout(smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2))
     model.encoder._drop_connect_rate = 0.0
     return model
 
 
 def smp_deeplabv3plus_efficientnet_b0_drop_connect():
-    """As smp builds it: drop-connect on in training, so random."""
+    """As smp builds the encoder: drop-connect on in training, so random (dropout off)."""
     import segmentation_models_pytorch as smp
 
-    return smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2)
+    return _no_dropout(smp.DeepLabV3Plus("efficientnet-b0", encoder_weights=None, classes=2))
 
 
 def smp_unet_timm_efficientnet_b0():
     """An smp encoder from timm ("tu-"): timm's BatchNormAct2d layers."""
     import segmentation_models_pytorch as smp
 
-    return smp.Unet("tu-efficientnet_b0", encoder_weights=None, classes=2, encoder_depth=5)
+    return smp.Unet("tu-efficientnet_b0", encoder_weights=None, classes=2, encoder_depth=5, drop_path_rate=0.0)
 
 
 def timm_efficientnet_b0():
