@@ -9,7 +9,9 @@ processes trains exactly like one process on the concatenated batch.
 2. W local CPU processes (gloo on 127.0.0.1) each convert the model with
    :func:`syncbn.convert_sync_batchnorm` and run K training steps (plain SGD, gradients
    averaged over the ranks as DDP does) on their own random batch of shape
-   ``(N, C, H, W)``, with the loss ``sum(output * g)`` for a fixed random ``g``.
+   ``(N, C, H, W)``, with the loss ``mean(output * g)`` for a fixed random ``g`` (a mean,
+   so that a step's size does not grow with the output's size: with a sum, a segmentation
+   model's steps were so large that three of them made training chaotic in float32).
 3. One process runs the unconverted model from the same start on the concatenation of
    the W batches, with the mean of the W losses.
 4. A table per BatchNorm layer shows the largest difference of its outputs over all
@@ -172,7 +174,8 @@ def _output_tensors(output) -> list:
 
 
 def _rank_loss(outputs: list, spec: VerifySpec, step: int, rank: int):
-    """``sum(output * g)`` over the output tensors, ``g`` fixed by (seed, step, rank)."""
+    """``mean(output * g)`` summed over the output tensors, ``g`` fixed by (seed, step, rank)
+    (a rank's outputs have the same size as its rows of the one-process outputs)."""
     import torch
 
     gen = torch.Generator().manual_seed(7_000_003 * (spec.seed + 1) + 1013 * step + rank)
@@ -182,7 +185,7 @@ def _rank_loss(outputs: list, spec: VerifySpec, step: int, rank: int):
             continue
         # rounded to the run's dtype first: a float64 rerun of a float32 check sees the same g
         g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(getattr(torch, spec.dtype)).to(out.dtype)
-        total = total + (out * g).sum()
+        total = total + (out * g).mean()
     return total
 
 
