@@ -6,7 +6,12 @@ The pool has 4 ranks; jobs that need a smaller world use the process groups of r
 
 import pytest
 
+import torchvision_shim
 from syncbn.launch import WorkerPool
+
+# PyPI's CUDA-built torchvision beside CPU torch: define the operator schemas its import
+# needs (a no-op where torchvision is absent or its extension loads); see torchvision_shim
+torchvision_shim.install()
 
 POOL_SIZE = 4
 
@@ -36,3 +41,16 @@ def _pools():
 def pool(_pools) -> WorkerPool:
     """The session's 4-rank gloo worker pool (restarted if a test broke it)."""
     return _pools.get()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in the test process, as in the pool's workers: on 2 busy cores
+    more threads only wait for each other (float64 depthwise convolutions of timm's and
+    torchvision's mobile networks ran 50x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

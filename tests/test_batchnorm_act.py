@@ -665,8 +665,9 @@ def test_fuse_sequential_pairs():
         out = syncbn.fuse_batchnorm_act(model)
     assert out is model
     fused = [m for m in model.modules() if isinstance(m, syncbn.SyncBatchNormAct)]
-    assert [(m.activation, m.activation_param) for m in fused] == [("leaky_relu", 0.1), ("elu", 0.7), ("identity", 0.01)]
+    assert [(m.activation, m.activation_param) for m in fused] == [("leaky_relu", 0.1), ("elu", 0.7)]
     assert type(model[3][3]) is nn.ReLU and type(model[7]) is nn.LeakyReLU  # ReLU and slope 0 stay
+    assert type(model[4]) is nn.BatchNorm2d and type(model[5]) is nn.Identity  # never fused with an identity
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
     _same_function(model, ref, torch.randn(4, 3, 6, 6))
     back = syncbn.revert_sync_batchnorm(model)

@@ -111,12 +111,68 @@ class PlainSubclass(nn.BatchNorm2d):
 
 
 def test_subclass_overriding_forward_is_left_with_a_warning():
-    model = nn.Sequential(BatchNormAct(4), PlainSubclass(4))
-    with pytest.warns(UserWarning, match="BatchNormAct"):
+    model = nn.Sequential(BatchNormAct(4), PlainSubclass(4), BatchNormAct(4), nn.BatchNorm1d(4))
+    with pytest.warns(UserWarning, match=r"left 2 of 4 BatchNorm layers local .*2 x test_convert\.BatchNormAct "):
         out = syncbn.convert_sync_batchnorm(model)
-    assert type(out[0]) is BatchNormAct
+    assert type(out[0]) is BatchNormAct and type(out[2]) is BatchNormAct
     assert isinstance(out[1], syncbn.SyncBatchNorm)
     assert type(syncbn.revert_sync_batchnorm(out)[1]) is nn.BatchNorm2d
+
+
+def test_strict_raises_before_changing_anything():
+    model = nn.Sequential(nn.BatchNorm2d(4), BatchNormAct(4))
+    with pytest.raises(ValueError, match=r"left 1 of 2 BatchNorm layers local"):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+    assert type(model[0]) is nn.BatchNorm2d  # untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), strict=True)
+    assert isinstance(out[0], syncbn.SyncBatchNorm)
+
+
+class SyncBatchNormRelu(syncbn.SyncBatchNorm):
+    def forward(self, x):
+        return F.relu(super().forward(x))
+
+
+def test_registered_conversion_round_trip():
+    from syncbn.convert import _CONVERSIONS, _move_state
+
+    def to_sync(layer, group):
+        new = SyncBatchNormRelu(layer.num_features, process_group=group, device="meta")
+        return _move_state(layer, new)
+
+    def to_plain(layer):
+        return _move_state(layer, BatchNormAct(layer.num_features, device="meta"))
+
+    syncbn.register_conversion(BatchNormAct, to_sync, to_plain)
+    try:
+        model = nn.Sequential(BatchNormAct(3), nn.Sequential(BatchNormAct(3)), PlainSubclass(3))
+        _randomize_buffers(model)
+        x = torch.randn(4, 3, 2, 2)
+        expected = model.eval()(x)
+        params = [id(p) for p in model.parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = syncbn.convert_sync_batchnorm(model, strict=True)
+        assert [type(m) for m in (out[0], out[1][0], out[2])] == [SyncBatchNormRelu, SyncBatchNormRelu, syncbn.SyncBatchNorm]
+        assert out[0]._syncbn_origin is BatchNormAct
+        torch.testing.assert_close(out(x), expected, rtol=0, atol=0)
+        back = syncbn.revert_sync_batchnorm(out)
+        assert [type(m) for m in (back[0], back[1][0], back[2])] == [BatchNormAct, BatchNormAct, nn.BatchNorm2d]
+        assert [id(p) for p in back.parameters()] == params
+        torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+    finally:
+        del _CONVERSIONS[BatchNormAct]
+    with pytest.raises(TypeError):
+        syncbn.register_conversion(object, to_sync, to_plain)
+    with pytest.raises(TypeError):
+        syncbn.register_conversion(BatchNormAct, to_sync, None)
+
+
+def test_revert_keeps_an_unregistered_subclass_that_overrides_forward():
+    layer = nn.Sequential(SyncBatchNormRelu(3))
+    assert type(syncbn.revert_sync_batchnorm(layer)[0]) is SyncBatchNormRelu
 
 
 def test_uninitialized_lazy_batchnorm_is_left_with_a_warning():
@@ -248,7 +304,7 @@ def test_group5_fusion_and_conversion_keep_per_module_state(state):
     _same_as_unfused(model, ref, _image)
     if state != "activation_hook":
         converted = build()
-        with pytest.warns(UserWarning, match="left these BatchNorm layers unsynchronized: 1 "):
+        with pytest.warns(UserWarning, match=rf"left 1 of 1 BatchNorm layers local .*\(1: .*{reason}"):
             syncbn.convert_sync_batchnorm(converted)
         assert type(converted[1]) is nn.BatchNorm2d or parametrize.is_parametrized(converted[1])
         _same_as_unfused(converted, build().double(), _image)

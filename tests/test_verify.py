@@ -88,8 +88,9 @@ def _verdict(ours, reference):
         return {"outputs": {"bn": [[part]]}, "buffers": {"bn.running_var": ours[0]}, "params": {"w": ours[0]}}
 
     ranks = [rank(ours[:half]), rank(ours[half:])]
-    ref = {"outputs": {"bn": [[reference]]}, "buffers": {"bn.running_var": reference[0]}, "params": {"w": reference[0]}}
-    return verify.compare(spec, ranks, ref)[2]
+    ref = {"outputs": {"bn": [[reference]]}, "buffers": {"bn.running_var": reference[0]}, "params": {"w": reference[0]},
+           "eps": {"bn": 1e-5}}
+    return verify.compare(spec, ranks, {"ref": ref, "probes": [ref]})[2]
 
 
 @pytest.mark.parametrize("side", ["ours", "reference"])
@@ -106,3 +107,44 @@ def test_compare_fails_on_non_finite_values_on_either_side(side, bad):
     assert not _verdict(ours, reference)
     spoiled[0, 0] = bad  # and in the buffer and the parameter (row 0)
     assert not _verdict(ours, reference)
+
+
+# ---- real models (tests/verify_zoo.py): PASS when converted, FAIL on real defects ---------
+
+def _verify(pool, target, dtype, shape=(1, 3, 32, 32), steps=2):
+    spec = verify.VerifySpec(target, shape, world_size=pool.world_size, steps=steps, dtype=dtype, sys_path=[HERE])
+    buf = io.StringIO()
+    code = verify.verify(spec, out=buf, pool=pool)
+    return code, buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("lraspp_mobilenet_v3_large", "float64"),  # running means and biases that are exactly 0
+        ("resnet18", "float32"),  # float32: ReLU kinks may flip, as in torch's own run
+        ("timm_mobilenetv3_small_100", "float64"),
+    ],
+)
+def test_real_models_pass(pool, one_thread, name, dtype):
+    pytest.importorskip("timm")
+    code, out = _verify(pool, f"verify_zoo:{name}", dtype)
+    assert code == 0, out
+    assert "PASS" in out and "left" not in out
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_layer_left_local_fails(pool, one_thread, dtype):
+    code, out = _verify(pool, "verify_zoo:unconverted_norm_act", dtype, shape=(2, 3, 6, 6))
+    assert code == 1, out
+    assert "left 1 of 2 BatchNorm layers local" in out  # the converter's warning, as a note
+    row = next(line for line in out.splitlines() if line.startswith("1 ")).split()
+    assert float(row[5]) > 1 and row[6:] == ["NO", "<--"]  # over the limit; ranks' buffers differ
+    assert "FAIL: differences above the limit" in out
+
+
+def test_randomness_in_training_is_named(pool, one_thread):
+    pytest.importorskip("timm")
+    code, out = _verify(pool, "verify_zoo:timm_mobilenetv3_random", "float64", steps=1)
+    assert code == 1, out
+    assert "FAIL: the model is random in training" in out and "drop_path_rate=0" in out

@@ -21,6 +21,7 @@ _LAZY = {
     "revert_sync_batchnorm": "syncbn.convert",
     "fuse_batchnorm_act": "syncbn.convert",
     "checkpoint": "syncbn.recompute",
+    "register_conversion": "syncbn.convert",
     "sync_groups": "syncbn.groups",
     "precise_bn": "syncbn.precise_bn",
     "functional": "syncbn.functional",

@@ -4,12 +4,14 @@ and back again for single-device inference and export.
 The swap moves the very same parameter and buffer tensors into the new module, so an
 optimizer built before the conversion keeps working, and values, ``requires_grad``,
 device, dtype and the ``training`` flag are kept. A BatchNorm subclass that overrides
-``forward`` (an activation or dropout after the normalization, as in timm's
-``BatchNormAct2d``) is never replaced by a plain layer that would drop that behaviour:
-it is left as it is, with a warning naming it, and so is a layer whose behaviour lives
-outside its parameters and buffers (a weight pruned with ``torch.nn.utils.prune`` or
-parametrized with ``torch.nn.utils.parametrize``, module or state-dict hooks): moving its
-tensors would silently drop that behaviour.
+``forward`` (an activation or dropout after the normalization) is never replaced by a
+plain layer that would drop that behaviour: it is left as it is, with a warning that
+counts the layers left local (or an error, with ``strict=True``), unless a conversion
+for its class was registered with :func:`register_conversion`. timm's norm-act layers
+are registered that way (:mod:`syncbn.timm`) as soon as timm is imported. So is a layer
+whose behaviour lives outside its parameters and buffers (a weight pruned with
+``torch.nn.utils.prune`` or parametrized with ``torch.nn.utils.parametrize``, module or
+state-dict hooks): moving its tensors would silently drop that behaviour.
 
 :func:`fuse_batchnorm_act` goes one step further for memory: each batch norm followed
 directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct`.
@@ -21,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import sys
 import warnings
 from collections import Counter
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -32,7 +36,7 @@ from . import fingerprint
 from .batchnorm import SyncBatchNorm
 from .batchnorm_act import SyncBatchNormAct
 
-__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_act"]
+__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_act", "register_conversion"]
 
 # classes whose forward is plain batch norm over the whole batch
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -107,42 +111,129 @@ def _replace(module: nn.Module, swap) -> nn.Module:
     return module
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+# ---- conversions registered for BatchNorm subclasses -------------------------------
+
+# class -> (to_sync, to_plain); exact classes only (a subclass may change the behaviour)
+_CONVERSIONS: dict = {}
+
+
+def register_conversion(
+    cls: type,
+    to_sync: Callable[[nn.Module, object], nn.Module],
+    to_plain: Callable[[nn.Module], nn.Module],
+) -> None:
+    """Teach :func:`convert_sync_batchnorm` and :func:`revert_sync_batchnorm` a layer class.
+
+    ``to_sync(layer, process_group)`` returns the synchronized replacement of a ``cls``
+    layer (it should move the layer's own parameter and buffer tensors, keep its
+    ``state_dict`` keys, and synchronize over ``process_group``, where None means: the
+    default group, or the group the layer already had). ``to_plain(synced)`` returns
+    the single-process layer for a module that ``to_sync`` made; the converter records
+    on that module, as ``_syncbn_origin``, the class it came from (``cls``).
+
+    Only layers whose type is exactly ``cls`` are matched: a subclass may change what
+    the layer computes, so it needs its own registration. Registering a class again
+    replaces its conversion. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` are
+    registered this way by :mod:`syncbn.timm`.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_conversion: cls must be a torch.nn.Module subclass, got {cls!r}")
+    for name, fn in (("to_sync", to_sync), ("to_plain", to_plain)):
+        if not callable(fn):
+            raise TypeError(f"register_conversion: {name} must be callable, got {fn!r}")
+    _CONVERSIONS[cls] = (to_sync, to_plain)
+
+
+def _register_known() -> None:
+    """Register the conversions of the libraries already imported (never imports them)."""
+    if "timm.layers.norm_act" in sys.modules:
+        from . import timm as _timm
+
+        _timm.register()
+
+
+def _registered(cls: Optional[type]):
+    return _CONVERSIONS.get(cls) if cls is not None else None
+
+
+def _classify(m: nn.Module, name: str = ""):
+    """What conversion does with ``m`` (called ``name`` in the model): None (not a batch
+    norm), "synced" (already synchronized), "registered", "plain", or the reason it stays
+    local."""
+    if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)) or "_syncbn_origin" in m.__dict__:
+        return "synced"
+    if type(m) in _CONVERSIONS:
+        return "registered"
+    if not isinstance(m, _BatchNorm):
+        return None
+    if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
+        return "uninitialized lazy module: run one batch first"
+    if not _is_plain(m):
+        return "it overrides forward; teach the converter with syncbn.register_conversion"
+    why = _why_not_movable(m)
+    if why is not None:
+        return f"{name or type(m).__name__}: {why}"
+    return "plain"
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool = False) -> nn.Module:
     """Return ``module`` with every BatchNorm1d/2d/3d and ``torch.nn.SyncBatchNorm``
-    replaced by :class:`syncbn.SyncBatchNorm` on ``process_group``.
+    replaced by :class:`syncbn.SyncBatchNorm` on ``process_group``, and every layer of a
+    class registered with :func:`register_conversion` (timm's norm-act layers, when
+    timm is imported) by its registered synchronized form.
 
     Works in place on the children (like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``)
     and returns the root, which is a new module when the root itself is a BatchNorm.
     A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given.
-    A layer whose behaviour lives outside its parameters and buffers (a pruned or
-    parametrized weight, module hooks) is left as it is, with a warning naming it.
+
+    A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` with
+    no registered conversion, an uninitialized lazy module, a layer whose behaviour lives
+    outside its parameters and buffers: a pruned or parametrized weight, module hooks)
+    stays local: a warning says
+    how many of the model's BatchNorm layers that leaves local, and which classes. With
+    ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
+    decision depends only on the model, so every rank raises alike).
     """
-    skipped = []
-    names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
+    _register_known()
+    decisions = {}
+    total = 0
+    for name, m in module.named_modules():
+        kind = _classify(m, name)
+        if kind is not None:
+            decisions[id(m)] = kind
+            total += 1
+    local = Counter(
+        (f"{type(m).__module__}.{type(m).__qualname__}", decisions[id(m)])
+        for m in module.modules()
+        if decisions.get(id(m)) not in (None, "synced", "registered", "plain")
+    )
+    if local:
+        left = sum(local.values())
+        message = (
+            f"syncbn.convert_sync_batchnorm left {left} of {total} BatchNorm layers local "
+            "(unsynchronized): "
+            + "; ".join(f"{count} x {name} ({reason})" for (name, reason), count in sorted(local.items()))
+        )
+        if strict:
+            raise ValueError(message)
+    else:
+        message = None
 
     def swap(m: nn.Module) -> nn.Module:
-        if not isinstance(m, _BatchNorm) or isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
-            return m
-        if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
-            skipped.append(f"{type(m).__name__} (uninitialized lazy module: run one batch first)")
-            return m
-        if not _is_plain(m):
-            skipped.append(f"{type(m).__module__}.{type(m).__qualname__} (it overrides forward)")
-            return m
-        why = _why_not_movable(m)
-        if why is not None:
-            skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
-            return m
-        return _synchronized(SyncBatchNorm, m, process_group)
+        kind = decisions.get(id(m))
+        if kind == "plain":
+            return _synchronized(SyncBatchNorm, m, process_group)
+        if kind == "registered":
+            new = _CONVERSIONS[type(m)][0](m, process_group)
+            if new is not m and "_syncbn_origin" not in new.__dict__:
+                new._syncbn_origin = type(m)
+            return new
+        return m
 
     result = _replace(module, swap)
     fingerprint.name_layers(result)  # qualified names identify the layers' collectives
-    if skipped:
-        warnings.warn(
-            "syncbn.convert_sync_batchnorm left these BatchNorm layers unsynchronized: "
-            + "; ".join(sorted(set(skipped))),
-            stacklevel=2,
-        )
+    if message:
+        warnings.warn(message, stacklevel=2)
     return result
 
 
@@ -152,11 +243,18 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     ``BatchNorm2d`` (which one only matters for its input-dimension check). Values are
     identical; the same parameter and buffer tensors are moved back.
 
+    A layer made by a conversion registered with :func:`register_conversion` goes back
+    through that registration's ``to_plain`` (timm's layers become timm's
+    ``BatchNormAct2d``). A subclass of ``SyncBatchNorm`` that overrides ``forward``
+    and has no registered conversion is left as it is (a plain layer would drop what
+    its ``forward`` adds).
+
     A :class:`syncbn.SyncBatchNormAct` made by :func:`fuse_batchnorm_act` becomes the
     batch norm and activation it was made of, each in its old place (so the model's
     ``state_dict`` keys do not change); any other ``SyncBatchNormAct`` becomes
     ``nn.Sequential(BatchNorm, activation)`` (its keys gain a ``0.`` level).
     """
+    _register_known()
     names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
     skipped = []
     placeholders = [m for m in module.modules() if isinstance(m, _FusedActivation)]
@@ -172,12 +270,15 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
                 return m
         if isinstance(m, _FusedActivation):
             return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
+        conversion = _registered(m.__dict__.get("_syncbn_origin"))
+        if conversion is not None:
+            return conversion[1](m)
         if isinstance(m, SyncBatchNormAct):
             bn = _plain_batchnorm(m)
             if id(m) in restored:  # its activation comes back in its own place
                 return bn
             return nn.Sequential(bn, _activation_module(m))
-        if not isinstance(m, SyncBatchNorm):
+        if not isinstance(m, SyncBatchNorm) or type(m).forward is not SyncBatchNorm.forward:
             return m
         return _plain_batchnorm(m)
 
@@ -224,8 +325,9 @@ def _activation_spec(m: nn.Module):
         return "leaky_relu", float(m.negative_slope)
     if type(m) is nn.ELU and m.alpha > 0:
         return "elu", float(m.alpha)
-    if type(m) is nn.Identity:
-        return "identity", 0.01
+    # nn.Identity is never fused: it saves nothing, and the module after it (timm's
+    # drop_block placeholder is followed by ReLU(inplace=True)) may overwrite the output
+    # the fused layer keeps for backward
     return None  # ReLU included: it is not invertible
 
 
@@ -536,8 +638,10 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
     Batch norms: ``torch.nn.BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and
     :class:`syncbn.SyncBatchNorm` (not subclasses that override ``forward``, nor
     uninitialized lazy ones). Activations: ``nn.LeakyReLU`` with a positive slope,
-    ``nn.ELU`` with a positive alpha, ``nn.Identity``. ``nn.ReLU`` (and slope 0) is not
-    invertible: those pairs stay as they are, as does everything else.
+    ``nn.ELU`` with a positive alpha. ``nn.ReLU`` (and slope 0) is not invertible, and a
+    batch norm followed by ``nn.Identity`` is never fused (nothing to save, and the next
+    module may work in place on the output): those pairs stay as they are, as does
+    everything else.
 
     The whole model's ``forward`` is traced by ``torch.fx``, once with every module in
     training mode and once in eval mode (the modes are restored). A pair is fused only
