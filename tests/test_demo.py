@@ -5,6 +5,7 @@ session, and kill that session if the deadline passes, so a stuck worker can nev
 hang the suite. They check the figures written to results.json, never timings.
 """
 
+import importlib.util
 import shutil
 import sys
 
@@ -41,6 +42,33 @@ def test_quick_demo_under_torchrun(tmp_path):
     )
     check_report(out_dir, 2, "torchrun")
     assert out.count("syncbn matches the big batch") == 1  # rank 0 alone reports
+
+
+# the command as a user runs it, in a process where torch, TensorFlow and Keras cannot be imported
+NO_TORCH_NO_TF = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "tensorflow", "keras"):
+            raise ImportError(f"import of {name!r} blocked: the Flax demo must run without it")
+sys.meta_path.insert(0, Blocker())
+from syncbn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
+def test_short_flax_demo_without_torch_or_tensorflow(tmp_path):
+    out_dir = tmp_path / "demo"
+    # a few steps: each run compiles its own step; 12 are enough to separate the runs by far
+    out, err = run_command([sys.executable, "-c", NO_TORCH_NO_TF, "demo", "--framework", "flax", "--quick",
+                            "--steps", "12", "--eval-every", "6", "--out", str(out_dir)], tmp_path)
+    report = check_report(out_dir, 4, "pmap")
+    assert report["framework"] == "flax" and report["devices"] == [f"cpu:{i}" for i in range(4)]
+    assert report["model"]["batchnorm_layers"] == 14
+    assert "syncbn matches the big batch" in out
+    for title in ("per-device BN, pmap", "syncbn, pmap", "one device, batch 8"):
+        assert title in out
 
 
 def test_help_documents_every_option(tmp_path):
@@ -80,8 +108,16 @@ def test_keras_config_and_backends():
         parse("--framework", "keras", "--backend", "gloo")
 
 
+def test_flax_config():
+    config = parse("--framework", "flax", "--quick")
+    assert (config.framework, config.backend, config.device) == ("flax", "jax", "auto")
+    assert parse("--framework", "flax", "--backend", "jax").backend == "jax"
+    with pytest.raises(SystemExit, match="runs on JAX"):
+        parse("--framework", "flax", "--backend", "tensorflow")
+
+
 def test_restarted_process_gets_the_same_config():
-    for argv in ((), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
+    for argv in ((), ("--framework", "flax", "--steps", "5", "--world-size", "2"), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
                  ("--framework", "keras", "--backend", "jax", "--device", "cpu", "--seed", "3")):
         config = parse(*argv)
         assert parse(*demo.to_argv(config)) == config, argv
