@@ -71,6 +71,41 @@ def test_short_flax_demo_without_torch_or_tensorflow(tmp_path):
         assert title in out
 
 
+SAME_START = """
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+from syncbn.flax.models import TinyUNet, init_variables
+from syncbn.keras.models import tiny_unet
+flax_model = TinyUNet(width=8)
+variables = init_variables(flax_model, 5, 16)
+keras_model = tiny_unet(5, 16, width=8)
+convs = [layer for layer in keras_model.layers if hasattr(layer, "kernel")]
+assert len(convs) == len(variables["params"]) - len(variables["batch_stats"]) == 15
+for layer in convs:
+    for name, value in (("kernel", layer.kernel), ("bias", getattr(layer, "bias", None))):
+        if value is not None:
+            assert np.array_equal(np.asarray(value.value), variables["params"][layer.name][name]), layer.name
+x = np.random.default_rng(1).random((2, 16, 16, 1)).astype("float32")
+ours = np.asarray(flax_model.apply(variables, x, train=False))
+theirs = np.asarray(keras_model(x, training=False))
+print(float(np.max(np.abs(ours - theirs))), float(np.max(np.abs(theirs))))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None or importlib.util.find_spec("keras") is None,
+                    reason="needs flax and keras")
+def test_flax_twin_starts_from_the_keras_twins_weights(tmp_path):
+    out, _ = run_command([sys.executable, "-c", SAME_START], tmp_path, timeout=300)
+    gap, scale = map(float, out.split())
+    # the same float32 weights through the same XLA convolutions (0.0 apart, measured): only
+    # how the BN / resize arithmetic is written may differ, a few roundings of 6e-8 relative per
+    # layer over 15 conv + 14 BN layers, ~1e-7 of the output's scale even if amplified tenfold;
+    # 2e-6 leaves a wide margin and still sees nearest for bilinear up-sampling (1.9e-5)
+    assert np.isfinite(gap) and np.isfinite(scale) and scale > 0
+    assert gap <= 2e-6 * scale, (gap, scale)
+
+
 def test_help_documents_every_option(tmp_path):
     out, _ = run_command([sys.executable, "-m", "syncbn", "demo", "--help"], tmp_path, timeout=300)
     for option in OPTIONS:

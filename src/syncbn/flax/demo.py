@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import flax
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +55,7 @@ def per_image_loss(logits, masks, class_weight):
 
 def _flat(tree) -> Dict[str, np.ndarray]:
     """``{"layer/name": float32 copy}`` of a nested dict of arrays."""
-    flat = flax.traverse_util.flatten_dict(tree, sep="/")
+    flat = traverse_util.flatten_dict(tree, sep="/")
     return {k: np.array(v, dtype=np.float32, copy=True) for k, v in flat.items()}
 
 

@@ -76,7 +76,7 @@ def init_variables(model: TinyUNet, seed: int, image_size: int, in_channels: int
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, image_size, image_size,
                                                                                   in_channels)), train=False))
     variables = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), shapes)
-    variables = {name: dict(jax.tree.map(np.asarray, tree)) for name, tree in variables.items()}
+    variables = {name: dict(tree) for name, tree in variables.items()}  # writable top levels
     params, stats = variables["params"], variables["batch_stats"]
     for name in params:
         if name.endswith("_bn"):
