@@ -5,6 +5,7 @@ session, and kill that session if the deadline passes, so a stuck worker can nev
 hang the suite. They check the figures written to results.json, never timings.
 """
 
+import importlib.util
 import shutil
 import sys
 
@@ -41,6 +42,68 @@ def test_quick_demo_under_torchrun(tmp_path):
     )
     check_report(out_dir, 2, "torchrun")
     assert out.count("syncbn matches the big batch") == 1  # rank 0 alone reports
+
+
+# the command as a user runs it, in a process where torch, TensorFlow and Keras cannot be imported
+NO_TORCH_NO_TF = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "tensorflow", "keras"):
+            raise ImportError(f"import of {name!r} blocked: the Flax demo must run without it")
+sys.meta_path.insert(0, Blocker())
+from syncbn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
+def test_short_flax_demo_without_torch_or_tensorflow(tmp_path):
+    out_dir = tmp_path / "demo"
+    # a few steps: each run compiles its own step; 12 are enough to separate the runs by far
+    out, err = run_command([sys.executable, "-c", NO_TORCH_NO_TF, "demo", "--framework", "flax", "--quick",
+                            "--steps", "12", "--eval-every", "6", "--out", str(out_dir)], tmp_path)
+    report = check_report(out_dir, 4, "pmap")
+    assert report["framework"] == "flax" and report["devices"] == [f"cpu:{i}" for i in range(4)]
+    assert report["model"]["batchnorm_layers"] == 14
+    assert "syncbn matches the big batch" in out
+    for title in ("per-device BN, pmap", "syncbn, pmap", "one device, batch 8"):
+        assert title in out
+
+
+SAME_START = """
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+from syncbn.flax.models import TinyUNet, init_variables
+from syncbn.keras.models import tiny_unet
+flax_model = TinyUNet(width=8)
+variables = init_variables(flax_model, 5, 16)
+keras_model = tiny_unet(5, 16, width=8)
+convs = [layer for layer in keras_model.layers if hasattr(layer, "kernel")]
+assert len(convs) == len(variables["params"]) - len(variables["batch_stats"]) == 15
+for layer in convs:
+    for name, value in (("kernel", layer.kernel), ("bias", getattr(layer, "bias", None))):
+        if value is not None:
+            assert np.array_equal(np.asarray(value.value), variables["params"][layer.name][name]), layer.name
+x = np.random.default_rng(1).random((2, 16, 16, 1)).astype("float32")
+ours = np.asarray(flax_model.apply(variables, x, train=False))
+theirs = np.asarray(keras_model(x, training=False))
+print(float(np.max(np.abs(ours - theirs))), float(np.max(np.abs(theirs))))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None or importlib.util.find_spec("keras") is None,
+                    reason="needs flax and keras")
+def test_flax_twin_starts_from_the_keras_twins_weights(tmp_path):
+    out, _ = run_command([sys.executable, "-c", SAME_START], tmp_path, timeout=300)
+    gap, scale = map(float, out.split())
+    # the same float32 weights through the same XLA convolutions (0.0 apart, measured): only
+    # how the BN / resize arithmetic is written may differ, a few roundings of 6e-8 relative per
+    # layer over 15 conv + 14 BN layers, ~1e-7 of the output's scale even if amplified tenfold;
+    # 2e-6 leaves a wide margin and still sees nearest for bilinear up-sampling (1.9e-5)
+    assert np.isfinite(gap) and np.isfinite(scale) and scale > 0
+    assert gap <= 2e-6 * scale, (gap, scale)
 
 
 def test_help_documents_every_option(tmp_path):
@@ -80,8 +143,16 @@ def test_keras_config_and_backends():
         parse("--framework", "keras", "--backend", "gloo")
 
 
+def test_flax_config():
+    config = parse("--framework", "flax", "--quick")
+    assert (config.framework, config.backend, config.device) == ("flax", "jax", "auto")
+    assert parse("--framework", "flax", "--backend", "jax").backend == "jax"
+    with pytest.raises(SystemExit, match="runs on JAX"):
+        parse("--framework", "flax", "--backend", "tensorflow")
+
+
 def test_restarted_process_gets_the_same_config():
-    for argv in ((), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
+    for argv in ((), ("--framework", "flax", "--steps", "5", "--world-size", "2"), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
                  ("--framework", "keras", "--backend", "jax", "--device", "cpu", "--seed", "3")):
         config = parse(*argv)
         assert parse(*demo.to_argv(config)) == config, argv

@@ -3,9 +3,10 @@ synchronized BatchNorm across W devices of b images each *is* one batch of W x b
 
 This module is the command line and the settings, shared by the frameworks; it
 imports none of them. The runs live in :mod:`syncbn.demo_torch` (PyTorch, the
-default: DDP over gloo/NCCL processes) and :mod:`syncbn.demo_keras` (Keras:
+default: DDP over gloo/NCCL processes), :mod:`syncbn.demo_keras` (Keras:
 ``tf.distribute.MirroredStrategy`` or, with ``--backend jax``,
-``keras.distribution.DataParallel``), the table and files in
+``keras.distribution.DataParallel``) and :mod:`syncbn.demo_flax` (Flax linen under
+``jax.pmap``), the table and files in
 :mod:`syncbn.demo_report`.
 """
 
@@ -46,9 +47,13 @@ syncbn.keras.convert(model):
                                   local GPUs when there are at least W (or with --device
                                   cuda), else W logical CPU devices;
   --backend jax                   keras.distribution.DataParallel over W host devices.
+
+--framework flax: the same network written in Flax linen, in one process, under jax.pmap
+over W host CPU devices (W GPUs with --device cuda); run 2 is traced inside
+with syncbn.flax.convert(axis_name="batch"). Needs JAX and Flax only.
 """
 
-FRAMEWORKS = ("torch", "keras")
+FRAMEWORKS = ("torch", "keras", "flax")
 TORCH_BACKENDS = ("gloo", "nccl")
 KERAS_BACKENDS = ("tensorflow", "jax")
 
@@ -114,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"which framework trains the three runs (default {d.framework})")
     add("--world-size", type=_positive, default=None, metavar="W",
         help=f"number of ranks (torch: worker processes spawned on this machine; ignored under "
-             f"torchrun, where WORLD_SIZE decides) or replicas (keras) (default {d.world_size})")
+             f"torchrun, where WORLD_SIZE decides), replicas (keras) or devices (flax) (default {d.world_size})")
     add("--batch-per-rank", type=_positive, default=None, metavar="B",
         help=f"images per rank and step (default {d.batch_per_rank}); the big-batch run gets W x B")
     add("--steps", type=_positive, default=None,
@@ -137,12 +142,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              f"--quick: {QUICK['eval_every']})")
     add("--backend", choices=TORCH_BACKENDS + KERAS_BACKENDS, default=None,
         help="torch: the torch.distributed backend, gloo or nccl (default: nccl with --device cuda, "
-             "else gloo); keras: the Keras backend, tensorflow or jax (default tensorflow)")
+             "else gloo); keras: the Keras backend, tensorflow or jax (default tensorflow); flax: jax only")
     add("--device", choices=("cpu", "cuda"), default=None,
         help="torch: where each rank trains (default cpu); with cuda each rank uses cuda:LOCAL_RANK "
              "under torchrun, cuda:RANK when spawned (gloo may share GPUs: cuda:RANK %% GPUs). "
              "keras: cpu (W logical CPU devices) or cuda (W local GPUs); default: the GPUs when "
-             "TensorFlow sees at least W, else cpu")
+             "TensorFlow sees at least W, else cpu. flax: cpu (W host devices, the default) or cuda (W GPUs)")
     add("--out", default=None, metavar="DIR",
         help=f"output folder for results.json, curves.png, samples.png (default {d.out})")
     add("--seed", type=int, default=None,
@@ -167,6 +172,12 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         elif args.backend not in TORCH_BACKENDS:
             raise SystemExit(f"syncbn demo: --backend {args.backend} is a Keras backend; with "
                              f"--framework torch use one of {', '.join(TORCH_BACKENDS)}")
+    elif config.framework == "flax":
+        if args.backend not in (None, "jax"):
+            raise SystemExit(f"syncbn demo: --framework flax runs on JAX; --backend {args.backend} does not apply")
+        config.backend = "jax"
+        if args.device is None:
+            config.device = "auto"
     else:
         if args.backend is None:
             config.backend = "tensorflow"
@@ -208,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``syncbn demo``: the chosen framework's runs, then the report."""
     config = config_from_args(args)
     check(config)
+    if config.framework == "flax":
+        from . import demo_flax
+
+        return demo_flax.run(config)
     if config.framework == "keras":
         from . import demo_keras
 

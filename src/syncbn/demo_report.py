@@ -16,13 +16,14 @@ import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from . import __version__
-from .digits import CLASS_NAMES, NUM_CLASSES
+from .digits import CLASS_NAMES, NUM_CLASSES, make_split
 
 __all__ = [
     "RUNS",
@@ -34,6 +35,8 @@ __all__ = [
     "class_iou",
     "relative_difference",
     "progress_bar",
+    "ChannelsLastData",
+    "train_loop",
     "summarize",
     "write_report",
     "format_table",
@@ -149,6 +152,63 @@ def run_done_line(position: int, record: RunRecord, steps: int) -> str:
     """The line printed after a run when there is no progress bar."""
     return (f"[{position}/3] {record.title}: {steps} steps in {record.seconds:.1f} s, "
             f"final loss {record.losses[-1]:.4f}, val mIoU {record.miou[steps]:.3f}")
+
+
+class ChannelsLastData:
+    """The demo's data for the channels-last frameworks (Keras, Flax): training and
+    validation canvases NHWC float32, masks int32 (validation as made), the global batch
+    order and the class weights of the loss."""
+
+    def __init__(self, config):
+        common = dict(seed=config.seed, size=config.image_size)
+        train = make_split("train", config.train_size, **common)
+        val = make_split("val", config.val_size, **common)
+        self.train_x = np.ascontiguousarray(train.images.transpose(0, 2, 3, 1))  # NHWC
+        self.train_y = train.masks.astype(np.int32)
+        self.val_images = val.images  # NCHW, for the samples plot
+        self.val_x = np.ascontiguousarray(val.images.transpose(0, 2, 3, 1))
+        self.val_y = val.masks
+        self.batches = global_batches(config.train_size, config.steps, config.global_batch, config.seed)
+        weight = np.ones(NUM_CLASSES, np.float32)
+        weight[0] = config.background_weight
+        self.class_weight = weight
+
+
+def train_loop(position: int, title: str, step_fn, predict, params, buffers, config,
+               data: ChannelsLastData, progress: bool) -> RunRecord:
+    """One run of a single-process demo (Keras, Flax): ``step_fn(step, x, y)`` trains on
+    one global batch and returns its loss as a float; ``predict(images)`` gives the
+    classes (N, H, W) in inference mode; ``params()`` and ``buffers()`` the current
+    trainable parameters and running statistics as ``{name: float32 array}``. The run
+    is evaluated at ``config.eval_steps()``."""
+    record = RunRecord(title)
+    eval_steps = set(config.eval_steps())
+    bar = progress_bar(config.steps, position, title, progress)
+
+    def evaluate(step: int) -> None:
+        confusion = confusion_counts(data.val_y, predict(data.val_x))
+        record.miou[step] = float(np.nanmean(class_iou(confusion)))
+        record.snapshots[step] = params()
+
+    start = time.perf_counter()
+    if 0 in eval_steps:
+        evaluate(0)
+    for step in range(1, config.steps + 1):
+        index = data.batches[step - 1]
+        record.losses.append(step_fn(step, data.train_x[index], data.train_y[index]))
+        if step in eval_steps:
+            evaluate(step)
+        bar.set_postfix_str(bar_text(record), refresh=False)
+        bar.update(1)
+    record.seconds = time.perf_counter() - start
+    bar.close()
+    confusion = confusion_counts(data.val_y, predict(data.val_x))
+    record.class_iou = [float(v) for v in class_iou(confusion)]
+    record.buffers = buffers()
+    record.predictions = predict(data.val_x[: config.samples]).astype(np.uint8)
+    if not progress:
+        print(run_done_line(position, record, config.steps), flush=True)
+    return record
 
 
 # ----------------------------------------------------------------------------- report

@@ -31,7 +31,6 @@ mesh and layout, where XLA makes every reduction global.
 
 from __future__ import annotations
 
-import time
 from typing import Dict, List
 
 import keras
@@ -40,7 +39,6 @@ from keras import ops
 
 from .. import demo_report as report_
 from ..demo_report import RunRecord
-from ..digits import NUM_CLASSES, make_split
 from .convert import convert
 from .models import count_batchnorm, tiny_unet
 
@@ -54,22 +52,6 @@ def per_image_loss(logits, masks, class_weight):
     return ops.mean(pixels * ops.take(class_weight, masks), axis=(1, 2))
 
 
-class _Data:
-    def __init__(self, config):
-        common = dict(seed=config.seed, size=config.image_size)
-        train = make_split("train", config.train_size, **common)
-        val = make_split("val", config.val_size, **common)
-        self.train_x = np.ascontiguousarray(train.images.transpose(0, 2, 3, 1))  # NHWC
-        self.train_y = train.masks.astype(np.int32)
-        self.val_images = val.images  # NCHW, for the samples plot
-        self.val_x = np.ascontiguousarray(val.images.transpose(0, 2, 3, 1))
-        self.val_y = val.masks
-        self.batches = report_.global_batches(config.train_size, config.steps, config.global_batch, config.seed)
-        weight = np.ones(NUM_CLASSES, np.float32)
-        weight[0] = config.background_weight
-        self.class_weight = weight
-
-
 def _predict(model, images: np.ndarray, chunk: int = 64) -> np.ndarray:
     """Predicted classes (N, H, W) in inference mode."""
     out = [np.asarray(ops.convert_to_numpy(ops.argmax(model(images[i : i + chunk], training=False), axis=-1)))
@@ -81,38 +63,11 @@ def _values(variables) -> Dict[str, np.ndarray]:
     return {v.path: np.array(ops.convert_to_numpy(v.value), dtype=np.float32, copy=True) for v in variables}
 
 
-def _train_loop(position: int, title: str, step_fn, model, config, data: _Data,
-                progress: bool) -> RunRecord:
-    """The loop shared by both backends: ``step_fn(step, x, y)`` trains on one global
-    batch and returns its loss as a float; the model is evaluated at the eval steps."""
-    record = RunRecord(title)
-    eval_steps = set(config.eval_steps())
-    bar = report_.progress_bar(config.steps, position, title, progress)
-
-    def evaluate(step: int) -> None:
-        confusion = report_.confusion_counts(data.val_y, _predict(model, data.val_x))
-        record.miou[step] = float(np.nanmean(report_.class_iou(confusion)))
-        record.snapshots[step] = _values(model.trainable_weights)
-
-    start = time.perf_counter()
-    if 0 in eval_steps:
-        evaluate(0)
-    for step in range(1, config.steps + 1):
-        index = data.batches[step - 1]
-        record.losses.append(step_fn(step, data.train_x[index], data.train_y[index]))
-        if step in eval_steps:
-            evaluate(step)
-        bar.set_postfix_str(report_.bar_text(record), refresh=False)
-        bar.update(1)
-    record.seconds = time.perf_counter() - start
-    bar.close()
-    confusion = report_.confusion_counts(data.val_y, _predict(model, data.val_x))
-    record.class_iou = [float(v) for v in report_.class_iou(confusion)]
-    record.buffers = _values(model.non_trainable_weights)
-    record.predictions = _predict(model, data.val_x[: config.samples]).astype(np.uint8)
-    if not progress:
-        print(report_.run_done_line(position, record, config.steps), flush=True)
-    return record
+def _train_loop(position: int, title: str, step_fn, model, config, data, progress: bool) -> RunRecord:
+    """:func:`syncbn.demo_report.train_loop` for a Keras model (both backends)."""
+    return report_.train_loop(position, title, step_fn, lambda images: _predict(model, images),
+                              lambda: _values(model.trainable_weights),
+                              lambda: _values(model.non_trainable_weights), config, data, progress)
 
 
 def _model_with(initial, config):
@@ -169,7 +124,7 @@ def _tf_run(position, title, strategy, initial, config, data, progress, sync: bo
     return _train_loop(position, title, step_fn, model, config, data, progress), model
 
 
-def _tf_three_ways(config, devices: List[str], data: _Data, initial, progress: bool):
+def _tf_three_ways(config, devices: List[str], data, initial, progress: bool):
     import tensorflow as tf
 
     titles = {
@@ -285,7 +240,7 @@ def _count_sync(model) -> int:
 
 def train_three_ways(config, devices: List[str], progress: bool) -> dict:
     """Train the three runs on ``devices`` (one per replica) and return the report."""
-    data = _Data(config)
+    data = report_.ChannelsLastData(config)
     probe = tiny_unet(config.seed, config.image_size, width=config.width)
     initial = probe.get_weights()
     backend = keras.backend.backend()
