@@ -106,9 +106,12 @@ def mismatch_message(tag: Tag, sums: Sequence, world: int, rank: int, backward: 
                      group: str = "the ranks of the process group", what: str = "layer",
                      features: str = "features") -> str:
     """The error message of a disagreement seen by ``rank`` (which sent ``tag``): with
-    two ranks it names both ranks' calls (the other's recovered from the sums)."""
+    two ranks it names both ranks' calls (the other's recovered from the sums; ``sums``
+    None: only this rank's). ``rank`` None: this rank's number is not known."""
     phase = "backward" if backward else "forward"
-    if world == 2:
+    if rank is None:
+        calls = f"this {who} called {describe(tag, what, features)}; the {world} {who}s did not all call it"
+    elif world == 2 and sums is not None:
         own = digits(tag)
         other = undigits(int(s) - d for s, d in zip(list(sums)[:DIGITS], own))
         tags = {rank: tag, 1 - rank: other}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from syncbn import layer_fingerprint
+
 from . import moments, replicas
 
 __all__ = ["SyncBatchNormalization"]
@@ -160,6 +162,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 f"a known size, got shape {input_shape}"
             )
         super().build(input_shape)
+        # Known by name to this process's disagreement messages, whether called or not.
+        layer_fingerprint.remember(self.name, int(input_shape[self.axis]))
 
     def get_config(self):
         config = super().get_config()
@@ -198,7 +202,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             if ctx is not None:
                 shift = ops.stop_gradient(ops.cast(self.moving_mean, dtype))
                 y, mean, var = replicas.tf_sync_train(
-                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon)
+                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon, name=self.name)
                 self._update_moving_statistics(mean, var)
                 return ops.cast(y, self.compute_dtype)
         mean, var = self._batch_statistics(x, mask)
@@ -301,11 +305,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             ctx = replicas.tf_replica_context()
             if ctx is not None:
                 shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
+                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx, name=self.name)
                 return mean, var
         elif backend == "torch" and replicas.torch_world_size() > 1:
             shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-            _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
+            _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift, name=self.name)
             return mean, var
         # One replica, or a backend that presents the whole batch as one array (JAX):
         # the local statistics are the global ones.
