@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import keras_harness as harness
+from keras_mismatch_checks import CHECKS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs tensorflow")
 
@@ -95,3 +96,13 @@ def test_absent_worker_times_out(outcomes):
     assert absent.get("absent"), absent
     assert not waiting["ok"] and waiting["type"] == "DeadlineExceededError", waiting
     assert COLLECTIVE_TIMEOUT - 0.5 <= waiting["seconds"] < COLLECTIVE_TIMEOUT + 30, waiting
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return harness.run_suite("keras_mismatch_checks.py", list(CHECKS), harness.worker_env("tensorflow"), TIMEOUT)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_check_in_one_process(checks, name):
+    harness.print_check(checks, name)
