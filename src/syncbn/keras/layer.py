@@ -34,7 +34,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     counts: uneven and empty replica batches are exact, and a mask counts per
     element. Where that needs communication, each call issues exactly one all-reduce of
     ``2C + 1`` values in forward (float64 sums of the replicas' stable local moments)
-    and one of ``2C`` values in backward, in a custom gradient:
+    and one of ``2C`` values in backward, in a custom gradient, each with 18 more: the
+    layer fingerprint (the layer's name and width, and the call's index in the traced
+    step), so that replicas in different layer calls fail alike instead of mixing
+    statistics (see :mod:`syncbn.keras.replicas` and the README, "When ranks disagree"):
 
     - TensorFlow: inside a ``tf.distribute`` replica context of more than one replica
       (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``; ``fit``, custom loops with
@@ -65,8 +68,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     global batch) has mean 0 and variance 0, which the moving averages then follow.
     (Keras's own layer returns NaN statistics for an empty unmasked batch; this one
     treats it as fully masked.) No step depends on a check of the count, so nothing
-    is read back to the host and nothing is lost under XLA (``jit_compile=True``,
-    ``jax.jit``).
+    is read back to the host for it and nothing is lost under XLA (``jit_compile=True``,
+    ``jax.jit``). (The fingerprint's verdict is read on the host in eager execution
+    only; under XLA its assert is compiled away and a disagreeing call's sums are NaN.)
 
     Higher-order gradients (the gradient of a gradient through a training call, e.g.
     a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
