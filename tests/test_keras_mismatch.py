@@ -1,7 +1,9 @@
 """Workers that disagree about the synchronized layers under ``MultiWorkerMirroredStrategy``
 (two worker processes on 127.0.0.1, one CPU replica each, torch blocked): every worker
 ends the step with an error, none completes it silently, none waits past the
-collectives' timeout. See ``keras_mismatch_worker.py`` for the scenarios."""
+collectives' timeout. See ``keras_mismatch_worker.py`` for the scenarios; the check
+itself in one process (eager, tf.function, XLA) is in ``keras_tf_checks.py``
+(``fingerprint_*``)."""
 
 import importlib.util
 import json
@@ -11,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import keras_harness as harness
-from keras_mismatch_checks import CHECKS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs tensorflow")
 
@@ -97,12 +98,3 @@ def test_absent_worker_times_out(outcomes):
     assert not waiting["ok"] and waiting["type"] == "DeadlineExceededError", waiting
     assert COLLECTIVE_TIMEOUT - 0.5 <= waiting["seconds"] < COLLECTIVE_TIMEOUT + 30, waiting
 
-
-@pytest.fixture(scope="module")
-def checks():
-    return harness.run_suite("keras_mismatch_checks.py", list(CHECKS), harness.worker_env("tensorflow"), TIMEOUT)
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_check_in_one_process(checks, name):
-    harness.print_check(checks, name)
