@@ -109,6 +109,28 @@ def check_second_order(info, rank, calls):
     info["second_order"] = results
 
 
+def check_mismatch(info, rank):
+    """Rank 1 calls two layers of one width in the other order: both ranks raise
+    LayerMismatchError at the first call, naming both layers, no moving mean moved."""
+    import torch
+
+    from syncbn.keras import SyncBatchNormalization
+    from syncbn.layer_fingerprint import LayerMismatchError
+
+    layers = {name: SyncBatchNormalization(name=name) for name in ("first", "second")}
+    for layer in layers.values():
+        layer.build((None, 3))
+    x = torch.arange(1.0, 13.0).reshape(4, 3)
+    try:
+        for name in (("first", "second") if rank == 0 else ("second", "first")):
+            x = layers[name](x, training=True)
+        outcome = "no error"
+    except LayerMismatchError as err:
+        outcome = str(err)
+    moved = [bool(np.any(layer.moving_mean.numpy() != 0)) for layer in layers.values()]
+    info["mismatch"] = {"error": outcome, "moved": moved}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -167,6 +189,7 @@ def main():
                 **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in final.items()},
             )
         check_second_order(info, args.rank, calls)
+        check_mismatch(info, args.rank)
     finally:
         syncbn.distributed.all_reduce_sum = original
         dist.destroy_process_group()

@@ -13,6 +13,8 @@ import keras_harness as harness
 import keras_oracle as oracle
 from keras_torch_worker import CASES
 
+from syncbn.layer_fingerprint import SIZE as FINGERPRINT
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 
 TIMEOUT = 240
@@ -59,13 +61,15 @@ def test_two_ranks_match_oracle(run, case):
 
 def test_one_all_reduce_each_way_and_local_numerics(run):
     """One all-reduce forward (2C + 1 values; 3C when a mask gives each channel its own
-    count, channels not last) and one backward (2C values)."""
+    count, channels not last) and one backward (2C values), each with the 18-value
+    layer fingerprint."""
     for rank in range(2):
         info = json.loads((run / f"info-{rank}.json").read_text())
         for case, (sizes, tail, axis, masked, _kwargs) in CASES.items():
             channels = ((None,) + tail)[axis]
             forward = 3 * channels if masked and axis != -1 else 2 * channels + 1
-            assert info[f"{case}_all_reduce_calls"] == {"forward": [forward], "backward": [2 * channels]}, case
+            assert info[f"{case}_all_reduce_calls"] == {"forward": [forward + FINGERPRINT],
+                                                         "backward": [2 * channels + FINGERPRINT]}, case
         print(f"rank {rank}:", json.dumps(info))
 
 
@@ -77,6 +81,16 @@ def test_second_order_gradients_raise_on_both_ranks(run):
         result = json.loads((run / f"info-{rank}.json").read_text())["second_order"]
         assert "higher-order gradients" in result["create_graph"] and "create_graph=True" in result["create_graph"], \
             result
-        assert result["create_graph_all_reduce"] == [7], result
-        assert result["plain"] == {"all_reduce": [7, 6], "finite": True}, result
+        assert result["create_graph_all_reduce"] == [7 + FINGERPRINT], result
+        assert result["plain"] == {"all_reduce": [7 + FINGERPRINT, 6 + FINGERPRINT], "finite": True}, result
         assert result["host_reads"] == 0, result
+
+
+def test_swapped_layers_raise_on_both_ranks(run):
+    """The layer fingerprint on the torch backend: two layers of one width called in the
+    other order on rank 1 raise the same LayerMismatchError on both ranks."""
+    for rank in range(2):
+        result = json.loads((run / f"info-{rank}.json").read_text())["mismatch"]
+        assert "rank 0 called layer 'first' (3 features), call 0 of the step" in result["error"], result
+        assert "rank 1 called layer 'second' (3 features), call 0 of the step" in result["error"], result
+        assert result["moved"] == [False, False], result

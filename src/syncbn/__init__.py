@@ -27,7 +27,7 @@ _LAZY = {
     "functional": "syncbn.functional",
     "check_agreement": "syncbn.fingerprint",
     "name_layers": "syncbn.fingerprint",
-    "LayerMismatchError": "syncbn.fingerprint",
+    "LayerMismatchError": "syncbn.layer_fingerprint",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -49,8 +49,7 @@ troubleshooting section.
 
 from __future__ import annotations
 
-import zlib
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -73,42 +72,30 @@ __all__ = [
     "reset",
 ]
 
-DIGIT_BITS = 4
-IDENT_BITS = 24
-INDEX_BITS = 12
-DIGITS = (IDENT_BITS + INDEX_BITS) // DIGIT_BITS  # 9
-SIZE = 2 * DIGITS  # 18 extra values per payload
-_DIGIT_MAX = (1 << DIGIT_BITS) - 1
-# sum of d^2 over W ranks must stay an exact float32 integer: W * 15^2 <= 2^24
-MAX_WORLD = (1 << 24) // (_DIGIT_MAX * _DIGIT_MAX)
+from .layer_fingerprint import (  # the digit arithmetic, shared with the Keras layer
+    DIGIT_BITS,
+    DIGITS,
+    IDENT_BITS,
+    INDEX_BITS,
+    MAX_WORLD,
+    SIZE,
+    LayerMismatchError,
+    Tag,
+)
+from .layer_fingerprint import _names  # noqa: F401 - names this process can decode
+from .layer_fingerprint import describe as _describe
+from .layer_fingerprint import digits as _digits
+from .layer_fingerprint import ident as _ident
+from .layer_fingerprint import mismatch_message as _mismatch_message
+from .layer_fingerprint import remember as _remember
+from .layer_fingerprint import undigits as _undigits
+from .layer_fingerprint import values as _values
 
 # devices whose verdict is read on the host at once (no asynchronous queue to stall)
 IMMEDIATE_DEVICES = {"cpu"}
 
 
-class LayerMismatchError(RuntimeError):
-    """The ranks of a process group are not in the same synchronized layer call."""
-
-
-class Tag(NamedTuple):
-    ident: int  # 24-bit hash of the layer's name and num_features
-    index: int  # call index within the step, modulo 2^12
-
-
 # ---- names ---------------------------------------------------------------------------
-
-_names = {}  # ident -> (name, num_features): names this process can decode
-
-
-def _ident(name: str, num_features: int) -> int:
-    return zlib.crc32(f"{name}\0{num_features}".encode()) & ((1 << IDENT_BITS) - 1)
-
-
-def _remember(name: str, num_features: int) -> int:
-    ident = _ident(name, num_features)
-    _names.setdefault(ident, (name, num_features))
-    return ident
-
 
 def layer_name(layer) -> str:
     """``layer``'s name in the fingerprint: the qualified name :func:`name_layers`
@@ -203,21 +190,8 @@ def reset() -> None:
 _digit_cache = {}  # (tag, dtype, device) -> the SIZE values of the fingerprint
 
 
-def _digits(tag: Tag) -> list:
-    value = (tag.ident << INDEX_BITS) | tag.index
-    return [(value >> (DIGIT_BITS * i)) & _DIGIT_MAX for i in range(DIGITS)]
-
-
-def _undigits(digits) -> Tag:
-    value = 0
-    for i, d in enumerate(digits):
-        value |= int(d) << (DIGIT_BITS * i)
-    return Tag(value >> INDEX_BITS, value & ((1 << INDEX_BITS) - 1))
-
-
 def _fingerprint(tag: Tag, dtype, device) -> Tensor:
-    digits = _digits(tag)
-    values = digits + [d * d for d in digits]
+    values = _values(tag)
     if distributed.compiling():
         return torch.tensor(values, dtype=dtype, device=device)
     key = (tag, dtype, device)
@@ -320,28 +294,10 @@ def check_agreement() -> None:
 # ---- the message ---------------------------------------------------------------------
 
 
-def _describe(tag: Tag) -> str:
-    known = _names.get(tag.ident)
-    what = f"layer {known[0]!r} ({known[1]} features)" if known else f"a layer unknown here (id {tag.ident:06x})"
-    return f"{what}, call {tag.index} of the step"
-
-
 def _raise(tag: Tag, sums: Tensor, world: int, rank: int, backward: bool):
-    phase = "backward" if backward else "forward"
-    if world == 2:
-        own = _digits(tag)
-        other = _undigits(int(s) - d for s, d in zip(sums[:DIGITS].tolist(), own))
-        tags = {rank: tag, 1 - rank: other}
-        who = "; ".join(f"rank {r} called {_describe(tags[r])}" for r in (0, 1))
-    else:
-        who = f"rank {rank} (this rank) called {_describe(tag)}; the {world} ranks did not all call it"
     _pending.clear()
-    raise LayerMismatchError(
-        f"syncbn: the ranks of the process group are in different synchronized layer calls "
-        f"({phase}): {who}. Every rank must call the same synchronized layers in the same order "
-        f"(a data-dependent branch, rank-local code or a model built differently on one rank "
-        f"breaks this); the statistics of this call were not applied."
-    )
+    raise LayerMismatchError(_mismatch_message(tag, sums[:DIGITS].tolist() + sums[DIGITS:].tolist(),
+                                               world, rank, backward))
 
 
 def _compiled_message(tag: Tag, backward: bool) -> str:

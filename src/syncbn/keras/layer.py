@@ -6,6 +6,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from syncbn import layer_fingerprint
+
 from . import moments, replicas
 
 __all__ = ["SyncBatchNormalization"]
@@ -32,7 +34,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     counts: uneven and empty replica batches are exact, and a mask counts per
     element. Where that needs communication, each call issues exactly one all-reduce of
     ``2C + 1`` values in forward (float64 sums of the replicas' stable local moments)
-    and one of ``2C`` values in backward, in a custom gradient:
+    and one of ``2C`` values in backward, in a custom gradient, each with 18 more: the
+    layer fingerprint (the layer's name and width, and the call's index in the traced
+    step), so that replicas in different layer calls fail alike instead of mixing
+    statistics (see :mod:`syncbn.keras.replicas` and the README, "When ranks disagree"):
 
     - TensorFlow: inside a ``tf.distribute`` replica context of more than one replica
       (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``; ``fit``, custom loops with
@@ -63,8 +68,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     global batch) has mean 0 and variance 0, which the moving averages then follow.
     (Keras's own layer returns NaN statistics for an empty unmasked batch; this one
     treats it as fully masked.) No step depends on a check of the count, so nothing
-    is read back to the host and nothing is lost under XLA (``jit_compile=True``,
-    ``jax.jit``).
+    is read back to the host for it and nothing is lost under XLA (``jit_compile=True``,
+    ``jax.jit``). (The fingerprint's verdict is read on the host in eager execution
+    only; under XLA its assert is compiled away and a disagreeing call's sums are NaN.)
 
     Higher-order gradients (the gradient of a gradient through a training call, e.g.
     a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
@@ -160,6 +166,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 f"a known size, got shape {input_shape}"
             )
         super().build(input_shape)
+        # Known by name to this process's disagreement messages, whether called or not.
+        layer_fingerprint.remember(self.name, int(input_shape[self.axis]))
 
     def get_config(self):
         config = super().get_config()
@@ -198,7 +206,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             if ctx is not None:
                 shift = ops.stop_gradient(ops.cast(self.moving_mean, dtype))
                 y, mean, var = replicas.tf_sync_train(
-                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon)
+                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon, name=self.name)
                 self._update_moving_statistics(mean, var)
                 return ops.cast(y, self.compute_dtype)
         mean, var = self._batch_statistics(x, mask)
@@ -301,11 +309,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             ctx = replicas.tf_replica_context()
             if ctx is not None:
                 shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx)
+                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx, name=self.name)
                 return mean, var
         elif backend == "torch" and replicas.torch_world_size() > 1:
             shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-            _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift)
+            _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift, name=self.name)
             return mean, var
         # One replica, or a backend that presents the whole batch as one array (JAX):
         # the local statistics are the global ones.

@@ -24,11 +24,27 @@ over the replicas (each replica's loss depends on the shared statistics), and wi
 Like Keras's own layer, nothing is checked about ``N``: a batch with one value per
 channel gives variance 0, a fully masked one mean 0 and variance 0, on every replica
 alike (they all merge the same sums), and no replica waits on another's error.
+
+Disagreement detection (TensorFlow and PyTorch backends): both all-reduces also carry
+the 18-value layer fingerprint of :mod:`syncbn.layer_fingerprint` (the layer's name
+and width, and the call's index), so replicas that are not in the same layer call
+(another layer order, a skipped layer, a model built differently) raise
+:class:`syncbn.layer_fingerprint.LayerMismatchError` (eager, and the torch backend) or
+a TensorFlow ``InvalidArgumentError`` with the same words (inside ``tf.function``, from
+a ``tf.debugging.Assert`` that the statistics depend on) on every replica, before the
+statistics are used. Under TensorFlow the call index counts the synchronized calls
+traced so far in the same graph by the same replica (so it is the call's place in the
+step); in eager execution it is 0 (name and width alone). Under XLA
+(``jit_compile=True``) the assert is compiled away; see the README.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from keras import ops
+
+from syncbn import layer_fingerprint as lf
 
 from . import moments
 
@@ -115,6 +131,72 @@ def _forward(x, axis, mask, shift, dtype, all_reduce):
 
 # --------------------------------------------------------------------------- TensorFlow
 
+_tf_calls = weakref.WeakKeyDictionary()  # traced graph -> {replica: calls counted}
+
+
+def tf_tag(name, channels, ctx):
+    """The fingerprint tag of a synchronized call of the layer ``name`` with ``channels``
+    channels: the call index is the number of synchronized calls this replica made
+    before it in the graph being traced (a step's trace), 0 in eager execution."""
+    import tensorflow as tf
+
+    ident = lf.remember(name, channels)
+    if tf.executing_eagerly():
+        return lf.Tag(ident, 0)
+    graph = tf.compat.v1.get_default_graph()
+    replica = getattr(ctx, "_replica_id_in_sync_group", None)
+    counts = _tf_calls.setdefault(graph, {})
+    key = replica if isinstance(replica, int) else None
+    index = counts.get(key, 0)
+    counts[key] = index + 1
+    return lf.Tag(ident, index & ((1 << lf.INDEX_BITS) - 1))
+
+
+def _tf_replica_rank(ctx):
+    replica = getattr(ctx, "_replica_id_in_sync_group", None)
+    return replica if isinstance(replica, int) else None
+
+
+def tf_checked_all_reduce(ctx, tag, backward):
+    """A function summing a 1-D tensor over the replicas of ``ctx`` in one all-reduce
+    that also carries ``tag``'s fingerprint, and failing on every replica alike when
+    the replicas sent different tags: eagerly with
+    :class:`~syncbn.layer_fingerprint.LayerMismatchError`, in a graph through a
+    ``tf.debugging.Assert`` that the returned sum depends on."""
+    import tensorflow as tf
+
+    world = ctx.num_replicas_in_sync
+    if world > lf.MAX_WORLD:
+        raise ValueError(f"syncbn's layer fingerprint is exact up to {lf.MAX_WORLD} replicas, got {world}")
+
+    def all_reduce(value):
+        size = value.shape[0]
+        payload = tf.concat([value, tf.constant(lf.values(tag), value.dtype)], axis=0)
+        total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, payload)
+        summed, sums = total[:size], total[size:]
+        exact = tf.cast(tf.round(sums), tf.int64)  # integers below world * 225
+        t, q = exact[: lf.DIGITS], exact[lf.DIGITS :]
+        ok = tf.reduce_all(tf.equal(t * t, q * world))
+        rank = _tf_replica_rank(ctx)
+        if tf.executing_eagerly():
+            if not bool(ok):
+                raise lf.LayerMismatchError(lf.mismatch_message(
+                    tag, sums.numpy().tolist(), world, rank, backward, who="replica",
+                    group="the replicas", what="layer", features="channels"))
+            return summed
+        message = lf.mismatch_message(tag, None, world, None, backward, who="replica",
+                                      group="the replicas", what="layer", features="channels")
+        check = tf.debugging.Assert(ok, ["LayerMismatchError: " + message, "summed fingerprint:", sums],
+                                    summarize=lf.SIZE)
+        with tf.control_dependencies([check]):
+            # XLA compiles the assert away: there the sums of a disagreeing call become
+            # NaN (a loud loss, never plausible mixed statistics); elsewhere the assert
+            # has already failed and the NaN is never seen.
+            return tf.where(ok, summed, tf.constant(float("nan"), summed.dtype))
+
+    return all_reduce
+
+
 
 def tf_replica_context():
     """The current ``tf.distribute`` replica context when it spans more than one replica,
@@ -134,26 +216,24 @@ def tf_sum_dtype(ctx):
     return "float32" if "TPU" in type(strategy).__name__ else "float64"
 
 
-def tf_sync_moments(x, axis, mask, shift, ctx):
+def tf_sync_moments(x, axis, mask, shift, ctx, name="SyncBatchNormalization"):
     """Global ``(count, mean, biased var)`` over every replica of ``ctx``, with one
     all-reduce in forward and one in backward; ``count`` (elements per channel, in the
-    summing dtype) has no gradient."""
+    summing dtype) has no gradient. ``name`` identifies the layer in the fingerprint."""
     import tensorflow as tf
 
     dtype = tf_sum_dtype(ctx)
-
-    def all_reduce(value):
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    tag = tf_tag(name, shift.shape[0], ctx)
 
     @tf.custom_gradient
     def sync_moments(x):
-        count, mean, var = _forward(x, axis, mask, shift, dtype, all_reduce)
+        count, mean, var = _forward(x, axis, mask, shift, dtype, tf_checked_all_reduce(ctx, tag, False))
 
         def grad(g_count, g_mean, g_var):
             del g_count  # a count has no gradient
             g_mean = tf.zeros_like(mean) if g_mean is None else g_mean
             g_var = tf.zeros_like(var) if g_var is None else g_var
-            summed = all_reduce(tf.concat([g_mean, g_var], axis=0))
+            summed = tf_checked_all_reduce(ctx, tag, True)(tf.concat([g_mean, g_var], axis=0))
             channels = mean.shape[0]
             dx = _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
             return first_order_only((dx,))[0]
@@ -163,14 +243,15 @@ def tf_sync_moments(x, axis, mask, shift, ctx):
     return sync_moments(x)
 
 
-def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon):
+def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBatchNormalization"):
     """A training call's ``(output, mean, biased var)`` with statistics over every
     replica of ``ctx``: one all-reduce in forward (the moments, as in
     :func:`tf_sync_moments`) and one of ``2C`` values in backward (``sum dy`` and
     ``sum dy * xhat``), the input gradient in closed form
     (:func:`syncbn.keras.moments.input_grad`). ``gamma`` / ``beta`` (None: absent)
     get this replica's own sums as gradients, which the strategy aggregates; ``mean``
-    and ``var`` are for the moving averages and carry no gradient."""
+    and ``var`` are for the moving averages and carry no gradient. ``name`` identifies
+    the layer in the fingerprint."""
     import tensorflow as tf
 
     dtype = tf_sum_dtype(ctx)
@@ -181,13 +262,11 @@ def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon):
     weights = None if mask is None else tf.cast(mask, x.dtype)
     gamma = tf.ones((channels,), x.dtype) if gamma is None else gamma
     beta = tf.zeros((channels,), x.dtype) if beta is None else beta
-
-    def all_reduce(value):
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    tag = tf_tag(name, channels, ctx)
 
     @tf.custom_gradient
     def train(x, gamma, beta):
-        count, mean, var = _forward(x, axis, mask, shift, dtype, all_reduce)
+        count, mean, var = _forward(x, axis, mask, shift, dtype, tf_checked_all_reduce(ctx, tag, False))
         n = tf.reshape(tf.cast(count, x.dtype), moments.count_shape(ndim, axis))
         inv = tf.math.rsqrt(tf.reshape(var, shape) + epsilon)
         xhat = (x - tf.reshape(mean, shape)) * inv
@@ -196,7 +275,7 @@ def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon):
         def grad(dy, *unused):
             s1 = tf.reduce_sum(dy, axis=axes)
             s2 = tf.reduce_sum(dy * xhat, axis=axes)
-            summed = all_reduce(tf.concat([s1, s2], axis=0))
+            summed = tf_checked_all_reduce(ctx, tag, True)(tf.concat([s1, s2], axis=0))
             dx = moments.input_grad(dy, xhat, tf.reshape(gamma, shape) * inv, n, weights,
                                     tf.reshape(summed[:channels], shape), tf.reshape(summed[channels:], shape))
             return first_order_only((dx, s2, s1))
@@ -216,11 +295,15 @@ def torch_world_size():
     return distributed.group_size()
 
 
-def torch_sync_moments(x, axis, mask, shift):
+def torch_sync_moments(x, axis, mask, shift, name="SyncBatchNormalization"):
     """Global ``(count, mean, biased var)`` over every rank of the default process group,
     with one all-reduce in forward and one in backward; ``count`` (elements per channel,
-    in the summing dtype) has no gradient."""
-    return _torch_function().apply(x, axis, mask, shift)
+    in the summing dtype) has no gradient. Both carry the layer fingerprint
+    (:func:`syncbn.fingerprint.all_reduce_checked`; ``name`` identifies the layer), read
+    at once (off the CPU too: one host read per call), so that a disagreement raises
+    :class:`~syncbn.layer_fingerprint.LayerMismatchError` on every rank before the
+    moving statistics move."""
+    return _torch_function().apply(x, axis, mask, shift, name)
 
 
 _TORCH_FUNCTION = None
@@ -235,15 +318,25 @@ def _torch_function():
 
     import torch
 
-    from syncbn import distributed, stats
+    from syncbn import distributed, fingerprint, stats
+
+    def checked(tag, backward):
+        def all_reduce(value):
+            summed, ok = fingerprint.all_reduce_checked(value, None, tag, distributed.group_size(), backward)
+            if ok is not None:
+                fingerprint.check_agreement()
+            return summed
+
+        return all_reduce
 
     class SyncMoments(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, axis, mask, shift):
+        def forward(ctx, x, axis, mask, shift, name):
             dtype = str(stats.accumulate_dtype(x.device)).replace("torch.", "")
-            count, mean, var = _forward(x, axis, mask, shift, dtype, distributed.all_reduce_sum)
+            tag = fingerprint.forward_tag(None, shift.shape[0], None, name=name)
+            count, mean, var = _forward(x, axis, mask, shift, dtype, checked(tag, False))
             ctx.save_for_backward(x, mean, count)
-            ctx.axis, ctx.mask = axis, mask
+            ctx.axis, ctx.mask, ctx.tag = axis, mask, tag
             ctx.mark_non_differentiable(count)
             return count, mean, var
 
@@ -259,10 +352,11 @@ def _torch_function():
                     "differentiable. Compute the penalty without create_graph, or on a "
                     "layer that is not synchronized")
             x, mean, count = ctx.saved_tensors
-            summed = distributed.all_reduce_sum(torch.cat([g_mean, g_var]))
+            summed = checked(ctx.tag, True)(torch.cat([g_mean, g_var]))
+            fingerprint.end_step(None)
             channels = mean.shape[0]
             dx = _input_grad(x, ctx.axis, ctx.mask, mean, count, summed[:channels], summed[channels:])
-            return dx, None, None, None
+            return dx, None, None, None, None
 
     _TORCH_FUNCTION = SyncMoments
     return SyncMoments
