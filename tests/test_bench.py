@@ -45,7 +45,7 @@ def test_quick_writes_every_output(quick):
     assert rep["meta"]["quick"] is True and rep["plan"]["quick"] is True
     assert rep["errors"] == {}, json.dumps(rep["errors"], indent=1)[:4000]
     # every bar is printed as a pass/fail/n.a. line, none is asserted here
-    assert len(rep["bars"]) == 9
+    assert len(rep["bars"]) == 11
     for bar in rep["bars"]:
         assert bar["passed"] in (True, False, None) and bar["figure"]
         assert bar["bar"] in stdout
@@ -126,7 +126,7 @@ def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     rep = runner.run_bench(make_plan(quick=True), tmp_path, say=notes.append)
     assert {s["peer"] for s in rep["skipped"]} == set(PEERS)
     assert rep["runs"] == [] and rep["timing"]["rows"] == []
-    assert len(rep["bars"]) == 9 and all(bar["passed"] is None for bar in rep["bars"])
+    assert len(rep["bars"]) == 11 and all(bar["passed"] is None for bar in rep["bars"])
     assert "skipped" in report.terminal(rep)
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
 

@@ -137,7 +137,6 @@ ACTIVATIONS = [
     (nn.LeakyReLU(0.01), "leaky_relu", 0.01),
     (nn.ELU(0.7), "elu", 0.7),
     (nn.ELU(1.0), "elu", 1.0),
-    (nn.Identity(), "identity", None),
 ]
 
 
@@ -171,6 +170,17 @@ def test_fuse_and_revert_keep_every_field_and_buffer(cls, kwargs, act, name, par
     assert not back[0].training
     assert_same_state(back[0], before)
     assert back[1] is act and activation_fields(back[1]) == activation_fields(act)
+
+
+@pytest.mark.parametrize("cls,kwargs", CONFIGS, ids=CONFIG_IDS)
+def test_batch_norm_before_an_identity_is_never_fused(cls, kwargs):
+    """Nothing to save, and the next module may work in place on the output: the pair
+    stays exactly as it was (the same modules, fields and state)."""
+    bn, act = make_bn(cls, kwargs, group=Group("own")), nn.Identity()
+    want, before = fields(bn), snapshot(bn)
+    model = syncbn.fuse_batchnorm_act(nn.Sequential(bn, act))
+    assert model[0] is bn and model[1] is act and fields(model[0]) == want
+    assert_same_state(model[0], before)
 
 
 def test_fusing_a_converted_layer_keeps_its_group_and_fields():
