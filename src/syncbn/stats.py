@@ -19,6 +19,7 @@ resolution. Devices without float64 (Apple MPS) fall back to float32 sums.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -454,20 +455,23 @@ def _input_grad_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, i
     return input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu * invstd, count.sum())
 
 
-if hasattr(torch.library, "custom_op"):  # one opaque operation each, like the CUDA kernels
-    _normalize_standin = torch.library.custom_op("syncbn::batch_norm_elemt_standin", mutates_args=())(
-        _normalize_standin
-    )
-    _input_grad_standin = torch.library.custom_op("syncbn::batch_norm_backward_elemt_standin", mutates_args=())(
-        _input_grad_standin
-    )
+@functools.lru_cache(maxsize=None)
+def _standins():
+    """The two stand-ins as custom operators (one opaque operation each, like the CUDA
+    kernels), registered on first use: only the forced path needs them, so importing
+    syncbn registers nothing."""
+    normalize, input_grad_ = _normalize_standin, _input_grad_standin
+    if hasattr(torch.library, "custom_op"):
+        normalize = torch.library.custom_op("syncbn::batch_norm_elemt_standin", mutates_args=())(normalize)
+        input_grad_ = torch.library.custom_op("syncbn::batch_norm_backward_elemt_standin", mutates_args=())(input_grad_)
+    return normalize, input_grad_
 
 
 def cuda_normalize(x, weight, bias, mean, invstd) -> torch.Tensor:
     """``(x - mean) * invstd * weight + bias``: ``torch.batch_norm_elemt`` (one pass)."""
     if x.device.type == "cuda":
         return torch.batch_norm_elemt(x, weight, bias, mean, invstd, 0.0)
-    return _normalize_standin(x, weight, bias, mean, invstd)
+    return _standins()[0](x, weight, bias, mean, invstd)
 
 
 def cuda_input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count) -> torch.Tensor:
@@ -477,4 +481,4 @@ def cuda_input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count) -> 
     sum_dy_xmu = sum_dy_xhat / invstd
     if x.device.type == "cuda":
         return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
-    return _input_grad_standin(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
+    return _standins()[1](dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
