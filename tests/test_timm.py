@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
 import torchvision_shim
+from test_convert import _seeded
 from workers import group_of, in_group
 
 torchvision_shim.install()  # here too: the pool's workers import this module, not conftest
@@ -31,15 +32,8 @@ WORLD, PER_RANK, SIZE = 2, 2, 32
 def build(name):
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=6, drop_rate=0.0, drop_path_rate=0.0)
-    model = model.double()
-    with torch.no_grad():  # running statistics and affine parameters away from their defaults
-        for m in model.modules():
-            if isinstance(m, _BatchNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.5, 0.5)
-                m.running_mean.uniform_(-1, 1)
-                m.running_var.uniform_(0.5, 2)
-    return model
+    # running statistics and affine parameters away from their defaults (seeded again)
+    return _seeded(model.double())
 
 
 def _bn(model):
