@@ -64,6 +64,18 @@ def test_every_norm_act_layer_is_converted_and_reverted(name):
     torch.testing.assert_close(back.eval()(x), ref.eval()(x), rtol=0, atol=0)
 
 
+def test_a_hooked_norm_act_layer_stays_local():
+    """A registered conversion moves the layer's tensors, not its hooks: a hooked layer
+    stays as it is, counted in the warning, and its hook keeps running."""
+    model = build("mobilenetv3_small_100")
+    hooked = _bn(model)[0]
+    hooked.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(UserWarning, match=r"left 1 of 34 BatchNorm layers local .*it has hooks"):
+        model = syncbn.convert_sync_batchnorm(model)
+    layers = _bn(model)
+    assert layers[0] is hooked and all(type(m) is SyncBatchNormDropAct for m in layers[1:])
+
+
 def test_timm_sync_layers_and_input_checks():
     model = timm.layers.convert_sync_batchnorm(build("mobilenetv3_small_100"))
     theirs = [m for m in model.modules() if isinstance(m, timm.layers.SyncBatchNormAct)]

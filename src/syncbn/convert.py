@@ -162,18 +162,20 @@ def _classify(m: nn.Module, name: str = ""):
     local."""
     if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)) or "_syncbn_origin" in m.__dict__:
         return "synced"
-    if type(m) in _CONVERSIONS:
-        return "registered"
-    if not isinstance(m, _BatchNorm):
-        return None
-    if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
-        return "uninitialized lazy module: run one batch first"
-    if not _is_plain(m):
-        return "it overrides forward; teach the converter with syncbn.register_conversion"
-    why = _why_not_movable(m)
+    registered = type(m) in _CONVERSIONS
+    if not registered:
+        if not isinstance(m, _BatchNorm):
+            return None
+        if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
+            return "uninitialized lazy module: run one batch first"
+        if not _is_plain(m):
+            return "it overrides forward; teach the converter with syncbn.register_conversion"
+    # a registered conversion moves the layer's own tensors, but not hooks, pruning or
+    # parametrizations: those stay local too
+    why = _why_not_movable(m, extra_tensors=not registered)
     if why is not None:
         return f"{name or type(m).__name__}: {why}"
-    return "plain"
+    return "registered" if registered else "plain"
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool = False) -> nn.Module:
@@ -513,9 +515,10 @@ def _changed_in_place(root: nn.Module, node) -> str | None:
     return None
 
 
-def _why_not_movable(m: nn.Module, what: str = "its state") -> str | None:
+def _why_not_movable(m: nn.Module, extra_tensors: bool = True) -> str | None:
     """Why ``m``'s behaviour would not survive moving its parameters and buffers into a
-    new module (pruned or parametrized weights, hooks, extra state), or None."""
+    new module (pruned or parametrized weights, hooks, a replaced forward, and with
+    ``extra_tensors`` parameters or buffers beyond batch norm's own), or None."""
     from torch.nn.utils import parametrize, prune
 
     if parametrize.is_parametrized(m):
@@ -528,7 +531,7 @@ def _why_not_movable(m: nn.Module, what: str = "its state") -> str | None:
     if "forward" in m.__dict__:
         return "its forward is replaced on the instance"
     extra = sorted((set(m._parameters) - {"weight", "bias"}) | (set(m._buffers) - set(_BN_BUFFERS)))
-    if extra:
+    if extra and extra_tensors:
         return f"it holds other parameters or buffers ({', '.join(extra)})"
     return None
 
