@@ -396,7 +396,7 @@ def main(argv=None):
             f"{scheduler.last_epoch}, lr {scheduler.get_last_lr()[0]:.6g})")
         if (saved["epochs"], saved["batch_size"]) != (args.epochs, args.batch_size) or saved["world"] != world:
             say(f"note: the run was planned with --epochs {saved['epochs']}, --batch-size "
-                f"{saved['batch_size']}, {saved['world']} ranks: the poly schedule now ends at step "
+                f"{saved['batch_size']}, {saved['world']} rank(s): the poly schedule now ends at step "
                 f"{total_steps}, so this is not the uninterrupted run's continuation")
 
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
