@@ -216,7 +216,7 @@ def global_step(model, case, mesh, spec, wrap_shard_map, backward=True):
     args = (x, params, mask, dy, jnp.asarray(case["d_mean"][0]), jnp.asarray(case["d_var"][0]))
     compiled = jax.jit(run).lower(*args).compile()
     (y, mean, var), (dx, dparams) = compiled(*args)
-    assert len(x.sharding.device_set) == DEVICES, x.sharding
+    assert len(x.sharding.device_set) == mesh.size, x.sharding
     got = dict(y=np.asarray(y, np.float64), mean=np.asarray(mean), var=np.asarray(var),
                dx=np.asarray(dx, np.float64), dscale=np.asarray(dparams["scale"]), dbias=np.asarray(dparams["bias"]))
     return got, compiled.as_text()
@@ -253,8 +253,21 @@ def shard_map_matches_oracle():
 @check
 def jit_sharded_matches_oracle():
     """jit with the batch sharded by NamedSharding and no axis_name: XLA's global
-    reductions, same stable algorithm."""
-    return global_cases(False)
+    reductions, same stable algorithm; also on an automatic-sharding mesh and over 3 of
+    the 4 devices (3 groups where the device count alone would suggest 4)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from syncbn.flax import BatchNorm
+
+    info = global_cases(False)
+    case = make_case(110, "channels_last", "float32", True)
+    model = BatchNorm(use_running_average=False, axis=case["axis"], momentum=MOMENTUM, epsilon=EPS)
+    ref = oracle(case, case["d_mean"][0], case["d_var"][0])
+    for key, mesh in (("auto mesh", mesh_1d(auto=True)),
+                      ("3 devices", jax.make_mesh((3,), (AXIS,), devices=jax.devices()[:3]))):
+        got, _ = global_step(model, case, mesh, P(AXIS), False)
+        info[key] = compare(got, ref, "float32", key)
+    return info
 
 
 # ----------------------------------------------------------------------------- groups
@@ -392,8 +405,11 @@ def collective_counts():
             counts["shard_map"] = (all_reduces_only(fwd), all_reduces_only(both))
             model_jit = BatchNorm(use_running_average=not train, axis=case["axis"])
             meshes = [("", mesh_1d(), P(AXIS)), (" auto", mesh_1d(auto=True), P(AXIS))]
-            if layout == "channels_last" and train:  # the batch over one axis of a 2 x 2 mesh
+            if layout == "channels_last" and train:
+                # the batch over one axis of a 2 x 2 mesh; over 3 of the 4 devices (12 rows:
+                # the explicit sharding gives 3 groups where gcd(12, 4) would give 4)
                 meshes.append((" 2x2 mesh", jax.make_mesh((2, 2), ("data", "model")), P("data")))
+                meshes.append((" 3 devices", jax.make_mesh((3,), (AXIS,), devices=jax.devices()[:3]), P(AXIS)))
             for mesh_key, mesh, spec in meshes:
                 for masked, c in (("masked", case), ("unmasked", dict(case, mask=None))):
                     _, fwd = global_step(model_jit, c, mesh, spec, False, backward=False)

@@ -21,12 +21,14 @@ Without ``axis_name`` the arrays are global (``jit`` with a sharded batch) and X
 decides where a reduction crosses devices: a sum over the sharded batch axis becomes a
 local sum and an all-reduce. Summed over the whole batch, the second pass would wait for
 the first pass's all-reduce (two dependent reductions per layer). So the first reduction
-axis is split into ``groups = gcd(size, jax.device_count())`` equal groups
-(:class:`Groups`), both passes run per group, and only the groups' ``float64`` sums cross
-devices. A batch sharded ``s`` ways over a mesh of all devices has ``s`` dividing both
-the size and the device count, hence ``groups``: each device holds whole groups, its
-passes need no communication, and the layer has one all-reduce forward (and, in
-:mod:`syncbn.flax.normalize`, one backward). The split changes where XLA communicates,
+axis is split into equal groups (:class:`Groups`), both passes run per group, and only
+the groups' ``float64`` sums cross devices. Under explicit sharding (``jax.make_mesh``'s
+default) the array's type names the ``s`` shards of that axis and there are ``s``
+groups, one per device. Otherwise (automatic sharding: XLA propagates it, the trace does
+not see it) there are ``gcd(size, jax.device_count())``: a batch sharded ``s`` ways over
+a mesh of all devices has ``s`` dividing both, hence the group count. Either way each
+device holds whole groups, its passes need no communication, and the layer has one
+all-reduce forward (and, in :mod:`syncbn.flax.normalize`, one backward). The split changes where XLA communicates,
 not the accuracy: per-group moments merge exactly as per-device ones do under ``pmap``
 (a batch sharded otherwise, or not at all, is as accurate; only the single all-reduce
 is not promised then).
@@ -99,6 +101,17 @@ def cross_device_sum(value, axis_name: AxisName, axis_index_groups=None, tracked
     return lax.psum(value, axis_name, axis_index_groups=axis_index_groups)
 
 
+def explicit_shards(x, axis: int) -> int:
+    """How many ways ``x``'s ``axis`` is split over explicit mesh axes (``jax.typeof(x)``
+    names them under explicit sharding), or 0 when it is not."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or axis >= len(spec) or spec[axis] is None:
+        return 0
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    return math.prod(mesh.shape[name] for name in names)
+
+
 class Groups(NamedTuple):
     """Where one call's local sums are taken: ``x``'s reduction axis ``axis`` split into
     ``count`` equal groups, each summed on its own (``count`` is 1 with an ``axis_name``:
@@ -115,7 +128,9 @@ class Groups(NamedTuple):
         if not axes:
             return cls(0, 1, (), 0)
         axis = axes[0]
-        count = 1 if axis_name is not None else math.gcd(x.shape[axis], jax.device_count())
+        count = 1
+        if axis_name is None:  # explicit sharding names the split; else any divisor will do
+            count = explicit_shards(x, axis) or math.gcd(x.shape[axis], jax.device_count())
         inner = tuple(ax + 1 for ax in axes)
         return cls(axis, count, inner, axis)  # axes before ``axis`` are feature axes
 
