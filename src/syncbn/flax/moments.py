@@ -28,10 +28,10 @@ groups, one per device. Otherwise (automatic sharding: XLA propagates it, the tr
 not see it) there are ``gcd(size, jax.device_count())``: a batch sharded ``s`` ways over
 a mesh of all devices has ``s`` dividing both, hence the group count. Either way each
 device holds whole groups, its passes need no communication, and the layer has one
-all-reduce forward (and, in :mod:`syncbn.flax.normalize`, one backward). The split changes where XLA communicates,
-not the accuracy: per-group moments merge exactly as per-device ones do under ``pmap``
-(a batch sharded otherwise, or not at all, is as accurate; only the single all-reduce
-is not promised then).
+all-reduce forward (and, in :mod:`syncbn.flax.normalize`, one backward). The split
+changes where XLA communicates, not the accuracy: per-group moments merge exactly as
+per-device ones do under ``pmap`` (a batch sharded otherwise, or not at all, is as
+accurate; only the single all-reduce is not promised then).
 
 A device whose elements are all masked contributes zeros and is exact. When no element
 of a channel is valid anywhere (N = 0) its mean and variance are NaN, as in
