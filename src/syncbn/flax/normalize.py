@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .moments import axis_names, cross_device_sum, is_tracked, union_moments, valid_mask, varying_axes
+from .moments import Groups, axis_names, cross_device_sum, is_tracked, union_moments, valid_mask, varying_axes
 
 
 class Config(NamedTuple):
@@ -120,11 +120,14 @@ def _batch_norm_bwd(config, residuals, cotangents):
     gamma, _ = _params(x, scale, None, config, dtype)
     xhat = (x.astype(dtype) - mean) * rstd_b
     dy = dy.astype(dtype)
-    s1 = jnp.sum(dy, axis=axes)
-    s2 = jnp.sum(dy * xhat, axis=axes)
+    # per-group sums (one group per device with axis_name; see moments.Groups), summed below
+    groups = Groups.of(x, axes, config.axis_name)
+    s1 = groups.sum(groups.split(dy))
+    s2 = groups.sum(groups.split(dy * xhat))
 
-    scale_total = scale is None or _takes_total(scale, tracked, names)
-    bias_total = bias is not None and _takes_total(bias, tracked, names)
+    # without a sync axis the arrays are global (jit): every total is the parameter's gradient
+    scale_total = not synced or scale is None or _takes_total(scale, tracked, names)
+    bias_total = bias is not None and (not synced or _takes_total(bias, tracked, names))
     # (name, local value) pieces of the one backward psum
     pieces = []
     if scale_total:  # the same scale everywhere: send the unscaled sums
@@ -138,15 +141,16 @@ def _batch_norm_bwd(config, residuals, cotangents):
     for name, g in (("g_mean", g_mean), ("g_var", g_var)):
         g = g.astype(dtype)
         if synced and (not tracked or set(names) & varying_axes(g)):
-            pieces.append((name, g))  # per-device parts: they must be summed
+            pieces.append((name, g[None]))  # per-device parts (one group): they must be summed
         else:
             local_g[name] = g  # already the total (or no sync axis at all)
 
-    feat = s1.shape
-    flat = jnp.concatenate([jnp.ravel(v) for _, v in pieces])
-    flat = cross_device_sum(flat, config.axis_name, config.axis_index_groups, tracked)
+    feat = s1.shape[1:]
+    flat = jnp.concatenate([v.reshape(groups.count, -1) for _, v in pieces], axis=1)
+    flat = cross_device_sum(jnp.sum(flat, axis=0), config.axis_name, config.axis_index_groups, tracked)
     totals = dict(zip([n for n, _ in pieces], [v.reshape(feat) for v in jnp.split(flat, len(pieces))]))
     totals.update(local_g)
+    s1, s2 = jnp.sum(s1, axis=0), jnp.sum(s2, axis=0)  # this device's (pmap, shard_map: one group)
 
     if scale_total:
         g1 = totals["s1"] * (1.0 if scale is None else scale.astype(dtype))
