@@ -32,6 +32,7 @@ __all__ = ["count_call", "layer_counts", "TORCH_SYNCBN", "BATCHNORM2D", "STANDIN
 STANDINS = {
     "syncbn::batch_norm_elemt_standin": "aten::batch_norm_elemt",
     "syncbn::batch_norm_backward_elemt_standin": "aten::batch_norm_backward_elemt",
+    "syncbn::batch_norm_backward_reduce_standin": "aten::batch_norm_backward_reduce",
 }
 
 # torch.nn.SyncBatchNorm's CUDA algorithm per training call (read, not run), module
@@ -63,6 +64,7 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "lift_fresh", "set_", "resize_"}
 _SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+_MARKERS = {"profiler"}  # profiler ranges: host-side bookkeeping, no kernel
 
 
 def _tensors(value):
@@ -80,6 +82,8 @@ def _record(func, args, kwargs, out, numel: int) -> dict:
     base = name.split("::", 1)[-1].split(".", 1)[0]
     if func.namespace in _COLLECTIVE_NAMESPACES:
         kind = "collective"
+    elif func.namespace in _MARKERS:
+        kind = "marker"
     elif base in _SYNCS:
         kind = "host_sync"
     elif func.is_view or base in _NO_KERNEL:
@@ -99,30 +103,47 @@ def _record(func, args, kwargs, out, numel: int) -> dict:
     outs = [t for t in _tensors(out) if t.numel() == numel]
     written = len(outs) if _tensors(out) else len(mutated)
     return {"op": STANDINS.get(name, name), "kind": kind,
-            "passes": 0 if kind in ("view", "collective") else reads + written,
+            "passes": 0 if kind in ("view", "collective", "marker") else reads + written,
             "shapes": [list(t.shape) for t in _tensors(values)]}
 
 
 def count_call(layer, x, dy) -> Dict[str, dict]:
     """Forward and backward counts of ``layer(x)`` with output gradient ``dy``, on the
-    CUDA path (the caller's layer must take it: see :mod:`syncbn.stats`)."""
+    CUDA path (the caller's layer must take it: see :mod:`syncbn.stats`), in the steady
+    state: one step (forward and backward) runs first, uncounted, so the small constants
+    the path keeps on the device exist already (on CUDA their first copy is a host sync,
+    once per layer and process).
+
+    The operations inside the ``syncbn.check_agreement`` profiler range (the layer
+    fingerprint's verdicts of the whole step read at once when the backward pass ends,
+    :mod:`syncbn.fingerprint`) are counted apart, under ``per_step``: they are paid once
+    per backward pass whatever the number of layers, not per layer call."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from .. import stats
+    from .. import fingerprint, stats
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.ops: List[dict] = []
+            self.step: List[dict] = []
+            self.in_step = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            self.ops.append(_record(func, args, kwargs, out, x.numel()))
+            if func.name() == "profiler::_record_function_enter_new" and args and args[0] == fingerprint.STEP_CHECK:
+                self.in_step = True
+            elif func.name().startswith("profiler::_record_function_exit"):
+                self.in_step = False
+            (self.step if self.in_step else self.ops).append(_record(func, args, kwargs, out, x.numel()))
             return out
 
     result = {}
     with stats._forced_cuda_path():
+        layer(x).backward(dy)  # warm-up
+        for t in [x, *layer.parameters()]:
+            t.grad = None  # the counted backward writes its gradients, as a first one would
         forward = Recorder()
         with forward:
             y = layer(x)
@@ -130,15 +151,17 @@ def count_call(layer, x, dy) -> Dict[str, dict]:
         with backward:
             y.backward(dy)
     for name, rec in (("forward", forward), ("backward", backward)):
-        ops = rec.ops
-        result[name] = {
-            "passes": sum(o["passes"] for o in ops),
+        result[name] = {**_totals(rec.ops), "ops": [o for o in rec.ops if o["kind"] not in ("view", "marker")],
+                        "per_step": {**_totals(rec.step),
+                                     "ops": [o for o in rec.step if o["kind"] not in ("view", "marker")]}}
+    return result
+
+
+def _totals(ops: List[dict]) -> dict:
+    return {"passes": sum(o["passes"] for o in ops),
             "launches": sum(o["kind"] == "launch" for o in ops),
             "host_syncs": sum(o["kind"] == "host_sync" for o in ops),
-            "collectives": sum(o["kind"] == "collective" for o in ops),
-            "ops": [o for o in ops if o["kind"] != "view"],
-        }
-    return result
+            "collectives": sum(o["kind"] == "collective" for o in ops)}
 
 
 def layer_counts(spec: dict, group=None) -> dict:
