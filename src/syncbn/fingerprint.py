@@ -23,10 +23,11 @@ What is fingerprinted (a :class:`Tag`, two integers):
   ``torch.compile`` (a graph traced once) the index is not counted and is 0.
 
 The check. Each of the 9 digits ``d`` (4 bits of the tag) travels as ``d`` and ``d^2``;
-after the sum over the W ranks, ``(sum d)^2 <= W * sum d^2`` (Cauchy-Schwarz) with
-equality exactly when every rank sent the same ``d``. All values are integers below
-``W * 225``, so the sums are exact in float32 (the backward payload's dtype for float32
-and half inputs) up to ``MAX_WORLD`` ranks, and float64 forms both sides of the test.
+after the sum over the W ranks, a rank that sent ``e`` finds ``sum d = W e`` and ``sum
+d^2 = W e^2`` for every digit exactly when every rank sent ``e``: together they say
+``sum (d - e)^2 = 0``, and where the ranks differ that sum is positive whichever rank
+computes it. All values are integers below ``W * 225``, so the sums are exact in float32
+(the backward payload's dtype for float32 and half inputs) up to ``MAX_WORLD`` ranks.
 Every rank sees the same sums, so every rank reaches the same verdict and raises the
 same :class:`LayerMismatchError`. With W = 2 a rank also recovers the other rank's
 digits (the sum minus its own) and names the other rank's layer when it knows that
@@ -34,8 +35,9 @@ name (a layer of its own model, or one it has called); with W > 2 it names its o
 
 When the check runs. On the CPU at once, before the running buffers move (a host read
 of a CPU tensor costs no synchronization). Elsewhere (CUDA) without a host
-synchronization per layer: the verdict stays on the device, the running buffers are
-updated only where it is good (``torch.where``), and :func:`check_agreement` reads all
+synchronization per layer: the verdict stays on the device (two operations, a comparison
+with the kept agreeing sums), the running buffers are updated only where it is good
+(``torch.where``: bit for bit kept otherwise), and :func:`check_agreement` reads all
 pending verdicts at once: at the end of every backward pass that ran a synchronized
 layer (before the optimizer can use the gradients), at the first forward of the next
 step, or when the user calls it. Under ``torch.compile`` the verdict is an assert

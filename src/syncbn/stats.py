@@ -381,12 +381,13 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
 # On a GPU a layer call is bounded by passes over activation-sized tensors and by kernel
 # launches (DESIGN.md). On CUDA the synchronized layer takes torch's one-pass statistics
 # kernel, C-sized operations with no host read, and torch's own SyncBatchNorm kernels to
-# normalize and for the input gradient: 3 passes forward (read x; read x, write y) and 5
-# backward (read dy and x; read dy and x, write dx), as torch.nn.SyncBatchNorm.
+# normalize, for the backward reduction and for the input gradient: 3 passes forward (read
+# x; read x, write y) and 5 backward (read dy and x; read dy and x, write dx), as
+# torch.nn.SyncBatchNorm, and within its kernel launches + 4 each way (``syncbn bench``).
 #
 # ``_FORCE_CUDA_PATH`` (tests and ``syncbn bench`` only) sends CPU tensors down the same
 # path, so that its operations can be counted and checked on a machine without a GPU.
-# Two of its kernels exist only on CUDA; on the CPU each is replaced by a stand-in
+# Three of its kernels exist only on CUDA; on the CPU each is replaced by a stand-in
 # custom operator with the same inputs and output (one recorded operation, as the CUDA
 # kernel is one launch), built from the portable formulas above.
 _FORCE_CUDA_PATH = False
@@ -465,8 +466,8 @@ def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: torch.Tensor
     ``dtype``, one ``addcmul_``. ``first``: this rank is the group's rank 0, so the
     second count sums to N - 1 over the group (for the unbiased variance).
 
-    In float64 the products are exact (a float32 value times an integer below 2^29) but
-    for ``n * m^2``, rounded once. No residual pass for the rounding of the mean: that
+    For float32 statistics the float64 products are exact (a float32 value times an
+    integer below 2^29) but for ``n * m^2``, rounded once. No residual pass for the rounding of the mean: that
     rounding, d ~ u r std at |mean| / std = r (u = 2^-24; a few times that from the
     kernel's float32 Welford accumulation on CUDA), moves each rank's mean, so the merge
     sees the true spread of the ranks' means (~1 / sqrt(n) std for n elements per rank)

@@ -13,9 +13,15 @@ the forward and the autograd engine's backward alike). Per call, forward and bac
 - **host syncs**: operations that make the host wait for the device (``.item()``,
   ``bool(tensor)``, ``nonzero``, a boolean-mask index).
 
-Two CUDA kernels of the path (``batch_norm_elemt``, ``batch_norm_backward_elemt``) do not
-exist on the CPU; there the path calls stand-in operators with the same inputs and
-output, recorded as one operation each, the way the CUDA kernel is one launch.
+Three CUDA kernels of the path (``batch_norm_elemt``, ``batch_norm_backward_reduce``,
+``batch_norm_backward_elemt``) do not exist on the CPU; there the path calls stand-in
+operators with the same inputs and outputs, recorded as one operation each, the way the
+CUDA kernel is one launch.
+
+The layer fingerprint's verdicts (:mod:`syncbn.fingerprint`) are read once per step, when
+the backward pass ends, in a ``syncbn.check_agreement`` profiler range: its operations
+(2 launches, 1 host sync, whatever the number of layers) are counted apart, under
+``per_step``, not in the layer call's counts.
 
 ``torch.nn.SyncBatchNorm`` refuses CPU tensors, so its counts are read off its source
 (``torch/nn/modules/_functions.py``, torch 2.13, NCCL path) and given beside ours as
