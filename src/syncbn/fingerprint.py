@@ -72,6 +72,7 @@ __all__ = [
     "all_reduce_checked",
     "check_world",
     "fixed_values",
+    "payload_values",
     "pending_verdict",
     "check_agreement",
     "reset",
@@ -201,6 +202,11 @@ def fixed_values(tag: Tag, dtype, device) -> Tensor:
     if distributed.compiling():
         return torch.tensor(_values(tag), dtype=dtype, device=device)
     return stats.constant(_values, (tag,), dtype, device)
+
+
+def payload_values(tag: Tag) -> tuple:
+    """The ``SIZE`` payload values of ``tag`` as integers (for a payload built elsewhere)."""
+    return tuple(_values(tag))
 
 
 def _agreeing_sums(tag: Tag, world: int) -> list:

@@ -198,7 +198,7 @@ class _SyncBatchNorm(torch.autograd.Function):
 
 
 # ---- the CUDA path (stats.cuda_path): torch's kernels, C-sized operations, no host read
-# Per call, forward: the statistics kernel, the payload (one cat, one scale, one addcmul),
+# Per call, forward: the statistics kernel, the payload (one cat, two addcmul),
 # the all-reduce, the fingerprint verdict (2), the merge (5), the running buffers (3) and
 # batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
 # verdict (2), the integer count and batch_norm_backward_elemt. The payload puts the
@@ -211,8 +211,8 @@ def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, gro
     channels = x.shape[1]
     n = x.numel() // channels if channels else 0
     mean, var = stats.cuda_local_stats(x)
-    fixed = fingerprint.fixed_values(tag, mean.dtype, x.device)
-    size = fixed.shape[0]
+    fixed = fingerprint.payload_values(tag)
+    size = len(fixed)
     first = distributed.group_rank(group) == 0
     packed = stats.cuda_pack_moments(mean, var, n, stats.accumulate_dtype(x.device), fixed, first)
     packed = distributed.all_reduce_sum(packed, group)

@@ -431,13 +431,17 @@ def constant(build, args: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     return kept
 
 
-def _pack_scale(fixed: int, n: int, first: bool, channels: int) -> list:
-    # [fixed values kept as they are, n, n - 1 on the group's first rank (else n), n per statistic]
-    return [1] * fixed + [n, n - int(first)] + [n] * (2 * channels)
+def _listed(values: tuple) -> list:
+    return list(values)
 
 
-def _ones(size: int) -> list:
-    return [1] * size
+def _pack_offset(fixed: tuple, first: bool, channels: int) -> list:
+    # the fixed values, then 0 and -1 on the group's first rank (the counts n and n - 1)
+    return list(fixed) + [0, -int(first)] + [0] * (2 * channels)
+
+
+def _pack_mask(size: int, channels: int) -> list:
+    return [0] * size + [1] * (2 + 2 * channels)
 
 
 def _eps_rows(eps: float) -> list:
@@ -458,27 +462,34 @@ def cuda_local_stats(x: torch.Tensor):
     return torch.batch_norm_update_stats(x, None, None, 0.0)
 
 
-def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: torch.Tensor, first: bool) -> torch.Tensor:
+def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple, first: bool) -> torch.Tensor:
     """``[fixed, n, n - first, n * m, n * (var + m^2)]`` in ``dtype`` (the payload of
-    :func:`pack_moments` with two counts, after the caller's ``fixed`` values, which are
-    kept exactly) in three C-sized operations: one ``cat`` (``fixed`` must have the
-    statistics' dtype), one multiplication by a kept scale vector that also converts to
-    ``dtype``, one ``addcmul_``. ``first``: this rank is the group's rank 0, so the
-    second count sums to N - 1 over the group (for the unbiased variance).
+    :func:`pack_moments` with two counts, after the caller's ``fixed`` integers, kept
+    exactly) in three C-sized operations:
+
+        rows    = [fixed, 1, 1, m, var]                                      (cat)
+        payload = [fixed, 0, -first, 0...] + n * rows * [0..., 1, 1, 1...]   (addcmul)
+        payload[n (var + m^2) part] += n * m * m                             (addcmul_)
+
+    The vectors are kept device constants that do not depend on ``n`` (a batch of another
+    size makes none); the ``addcmul`` also converts to ``dtype``. ``first``: this rank is
+    the group's rank 0, so the second count sums to N - 1 over the group (for the unbiased
+    variance).
 
     For float32 statistics the float64 products are exact (a float32 value times an
-    integer below 2^29) but for ``n * m^2``, rounded once. No residual pass for the rounding of the mean: that
-    rounding, d ~ u r std at |mean| / std = r (u = 2^-24; a few times that from the
-    kernel's float32 Welford accumulation on CUDA), moves each rank's mean, so the merge
-    sees the true spread of the ranks' means (~1 / sqrt(n) std for n elements per rank)
-    shifted by d: the merged variance is off by about 2 d / sqrt(n) + d^2 relative (1e-6
-    at r = 1e4, n = 2.6e5; 1e-4 only below n ~ 100 there), the merged mean by ~u |mean|,
-    the resolution of a float32 mean. torch.nn.SyncBatchNorm merges float32 means the
-    same way. The CPU path measures the rounding and adds it back (:func:`local_moments`)."""
-    channels = mean.shape[0]
-    size = fixed.shape[0]
-    rows = torch.cat([fixed, constant(_ones, (2,), mean.dtype, mean.device), mean, var])
-    payload = torch.mul(rows, constant(_pack_scale, (size, n, bool(first), channels), dtype, mean.device))
+    integer below 2^29) but for ``n * m^2``, rounded once. No residual pass for the
+    rounding of the mean: that rounding, d ~ u r std at |mean| / std = r (u = 2^-24; a
+    few times that from the kernel's float32 Welford accumulation on CUDA), moves each
+    rank's mean, so the merge sees the true spread of the ranks' means (~1 / sqrt(n) std
+    for n elements per rank) shifted by d: the merged variance is off by about
+    2 d / sqrt(n) + d^2 relative (1e-6 at r = 1e4, n = 2.6e5; 1e-4 only below n ~ 100
+    there), the merged mean by ~u |mean|, the resolution of a float32 mean.
+    torch.nn.SyncBatchNorm merges float32 means the same way. The CPU path measures the
+    rounding and adds it back (:func:`local_moments`)."""
+    channels, size, device = mean.shape[0], len(fixed), mean.device
+    rows = torch.cat([constant(_listed, (tuple(fixed) + (1, 1),), mean.dtype, device), mean, var])
+    payload = torch.addcmul(constant(_pack_offset, (tuple(fixed), bool(first), channels), dtype, device),
+                            rows, constant(_pack_mask, (size, channels), dtype, device), value=n)
     if n:
         payload[size + 2 + channels:].addcmul_(mean, mean, value=n)
     return payload
