@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-__all__ = ["count_call", "layer_counts", "TORCH_SYNCBN", "BATCHNORM2D", "STANDINS"]
+__all__ = ["count_call", "layer_counts", "main", "TORCH_SYNCBN", "BATCHNORM2D", "STANDINS"]
 
 # The stand-ins of the forced CPU path and the CUDA kernel each one stands for.
 STANDINS = {
@@ -207,3 +207,40 @@ def _bars(rows: list) -> dict:
                    "launches_ok": worst["launches"] <= TORCH_SYNCBN[way]["launches"] + 4,
                    "no_host_sync": worst["host_syncs"] == 0}
     return ok
+
+
+def _job(spec: dict):
+    return layer_counts(spec)
+
+
+def main(argv=None) -> int:
+    """``python -m syncbn.bench.cuda_counts [--shape N C H W] [-v]``: the counts alone (2 gloo
+    processes on this machine, both layouts), without the rest of ``syncbn bench``."""
+    import argparse
+
+    from ..launch import WorkerPool
+
+    parser = argparse.ArgumentParser(description="syncbn's CUDA path counted on the CPU, per layer call")
+    parser.add_argument("--shape", type=int, nargs=4, default=[2, 64, 28, 28], metavar=("N", "C", "H", "W"))
+    parser.add_argument("-v", "--verbose", action="store_true", help="list the recorded operations")
+    args = parser.parse_args(argv)
+    with WorkerPool(2) as pool:
+        rep = pool.run(_job, {"shapes": [args.shape], "layouts": ["contiguous", "channels_last"]})[0]
+    cell = lambda c: f"{c['passes']} / {c['launches']} / {c['host_syncs']}"  # noqa: E731
+    print("per layer call: forward, backward passes / launches / host syncs (collectives apart)")
+    for row in rep["syncbn"]:
+        print(f"  syncbn.SyncBatchNorm {tuple(row['shape'])} {row['layout']}: {cell(row['forward'])}, "
+              f"{cell(row['backward'])}; once per step: {cell(row['backward']['per_step'])}")
+        for way in ("forward", "backward") if args.verbose else ():
+            for op in row[way]["ops"] + row[way]["per_step"]["ops"]:
+                print(f"      {way} {op['kind']} {op['op']} passes={op['passes']} {op['shapes']}")
+    for key, label in (("torch_syncbn", "torch.nn.SyncBatchNorm (read)"), ("batchnorm2d", "torch.nn.BatchNorm2d (read)")):
+        print(f"  {label}: {cell(rep[key]['forward'])}, {cell(rep[key]['backward'])}")
+    for way, bar in rep["bars"].items():
+        print(f"  bars {way}: passes {'ok' if bar['passes_ok'] else 'FAIL'}, launches "
+              f"{'ok' if bar['launches_ok'] else 'FAIL'}, host syncs {'ok' if bar['no_host_sync'] else 'FAIL'}")
+    return 0 if all(b["passes_ok"] and b["launches_ok"] and b["no_host_sync"] for b in rep["bars"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
