@@ -87,9 +87,9 @@ def order_job(world, orders, kind, immediate=True, forced=False, poison=False):
     from syncbn import stats
 
     group = group_of(world)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
     if not in_group(world):
         return None
-    fingerprint.reset()
     saved = set(fingerprint.IMMEDIATE_DEVICES)
     if not immediate:  # the CUDA way on the CPU: verdicts stay pending until checked
         fingerprint.IMMEDIATE_DEVICES.clear()
@@ -198,9 +198,9 @@ def backward_order_job(immediate=True):
     """Both ranks run the same forward (two layers on two branches) but run the two
     backward passes in the opposite order."""
     group = group_of(2)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
     if not in_group(2):
         return None
-    fingerprint.reset()
     saved = set(fingerprint.IMMEDIATE_DEVICES)
     if not immediate:
         fingerprint.IMMEDIATE_DEVICES.clear()
@@ -238,9 +238,9 @@ def functional_job():
     pass with no input gradient, so no collective) that rank 0 does not, so their next
     calls differ in the call index alone."""
     group = group_of(2)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
     if not in_group(2):
         return None
-    fingerprint.reset()
     try:
         rank = dist.get_rank()
         x = torch.randn(4, 5, 3)
