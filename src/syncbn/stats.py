@@ -409,8 +409,8 @@ def cuda_path(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" or _FORCE_CUDA_PATH
 
 
-# Small constant tensors of the CUDA path (the payload's fixed values, the scale that
-# turns the local statistics into sums, eps), built once per device and dtype: a
+# Small constant tensors of the CUDA path (the payload's fixed values, its offset and mask,
+# eps), built once per device and dtype, none depending on the batch size: a
 # host-to-device copy is a host synchronisation on CUDA, so it happens on the first call
 # (capture a CUDA graph after an eager warm-up step, as torch recommends anyway).
 _constants = {}
@@ -471,7 +471,8 @@ def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple, first
         payload = [fixed, 0, -first, 0...] + n * rows * [0..., 1, 1, 1...]   (addcmul)
         payload[n (var + m^2) part] += n * m * m                             (addcmul_)
 
-    The vectors are kept device constants that do not depend on ``n`` (a batch of another
+    (the mask's zeros meet only the finite fixed values, so a NaN statistic never reaches
+    the fixed part: the fingerprint's verdict stays exact). The vectors are kept device constants that do not depend on ``n`` (a batch of another
     size makes none); the ``addcmul`` also converts to ``dtype``. ``first``: this rank is
     the group's rank 0, so the second count sums to N - 1 over the group (for the unbiased
     variance).
