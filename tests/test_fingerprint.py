@@ -24,30 +24,41 @@ def test_digits_round_trip():
 
 def summed(tags, dtype):
     """What the all-reduce would give: the sum of every rank's fingerprint."""
-    return sum(fingerprint._fingerprint(t, dtype, torch.device("cpu")).double() for t in tags).to(dtype)
+    return sum(fingerprint.fixed_values(t, dtype, torch.device("cpu")).double() for t in tags).to(dtype)
+
+
+def verdicts(tags, dtype):
+    """Each rank's verdict (rank r sent ``tags[r]``) on the summed fingerprints."""
+    sums = summed(tags, dtype)
+    return [bool(fingerprint._agree(sums, t, len(tags))) for t in tags]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sums_agree_exactly_when_every_rank_sent_the_same_tag(dtype):
+    """Every rank reaches the same verdict: true when all sent one tag, false on every rank
+    when one differs (also where a plain sum of the digits would match one rank's)."""
     a, b = fingerprint.Tag(0xABCDEF, 7), fingerprint.Tag(0xABCDEF, 8)
     for world in (2, 3, 7):
-        assert bool(fingerprint._agree(summed([a] * world, dtype), world))
-        assert not bool(fingerprint._agree(summed([a] * (world - 1) + [b], dtype), world))
-    # one digit apart by one, or two ranks' differences that cancel in the plain sum
+        assert verdicts([a] * world, dtype) == [True] * world
+        assert verdicts([a] * (world - 1) + [b], dtype) == [False] * world
+    # one digit apart by one; digits 1, 2, 3 whose sum is 3 times the middle rank's
     c, d = fingerprint.Tag(1, 0), fingerprint.Tag(2, 0)
-    assert not bool(fingerprint._agree(summed([c, d], dtype), 2))
-    assert not bool(fingerprint._agree(summed([c, c, d, fingerprint.Tag(0, 0)], dtype), 4))
+    assert verdicts([c, d], dtype) == [False, False]
+    assert verdicts([c, d, fingerprint.Tag(3, 0)], dtype) == [False] * 3
+    assert verdicts([c, c, d, fingerprint.Tag(0, 0)], dtype) == [False] * 4
 
 
 def test_float32_sums_stay_exact_up_to_the_largest_world():
     """Every digit 15 on MAX_WORLD ranks: sum d^2 = MAX_WORLD * 225 <= 2^24, exact in
-    float32, and the check still separates a single rank one digit off."""
+    float32, and the check still separates a single rank one digit off, on both sides."""
     world = fingerprint.MAX_WORLD
-    full = fingerprint._fingerprint(fingerprint.Tag(0xFFFFFF, 0xFFF), torch.float32, torch.device("cpu"))
-    off = fingerprint._fingerprint(fingerprint.Tag(0xFFFFFE, 0xFFF), torch.float32, torch.device("cpu"))
+    big, small = fingerprint.Tag(0xFFFFFF, 0xFFF), fingerprint.Tag(0xFFFFFE, 0xFFF)
+    full = fingerprint.fixed_values(big, torch.float32, torch.device("cpu"))
+    off = fingerprint.fixed_values(small, torch.float32, torch.device("cpu"))
     same = full * world
-    assert bool(fingerprint._agree(same, world))
-    assert not bool(fingerprint._agree(same - full + off, world))
+    assert bool(fingerprint._agree(same, big, world))
+    assert not bool(fingerprint._agree(same - full + off, big, world))
+    assert not bool(fingerprint._agree(same - full + off, small, world))
 
 
 # ---- on the worker pool ---------------------------------------------------------------
@@ -66,14 +77,19 @@ def buffers(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def order_job(world, orders, kind, immediate=True):
+def order_job(world, orders, kind, immediate=True, forced=False, poison=False):
     """Each rank calls the layers of a converted 3-layer model in ``orders[rank]``, then
     backward; returns what happened: the error (type, message) or the outputs, and
-    whether the buffers moved."""
+    whether the buffers moved. ``forced``: on the CUDA path (syncbn.stats); ``poison``:
+    one NaN in the input, so every statistic of the step is NaN."""
+    import contextlib
+
+    from syncbn import stats
+
     group = group_of(world)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
     if not in_group(world):
         return None
-    fingerprint.reset()
     saved = set(fingerprint.IMMEDIATE_DEVICES)
     if not immediate:  # the CUDA way on the CPU: verdicts stay pending until checked
         fingerprint.IMMEDIATE_DEVICES.clear()
@@ -84,9 +100,12 @@ def order_job(world, orders, kind, immediate=True):
                 m.process_group = group
         before = buffers(model)
         rank = dist.get_rank()
-        x = (torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank)) + 2).requires_grad_()
+        x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank)) + 2
+        if poison:
+            x[0, :, 0, 0] = float("nan")
+        x.requires_grad_()
         out = {"phase": "forward"}
-        with record_collectives() as calls:
+        with record_collectives() as calls, stats._forced_cuda_path() if forced else contextlib.nullcontext():
             try:
                 y = x
                 for i in orders[rank]:
@@ -157,13 +176,31 @@ def test_pending_verdict_raises_at_the_end_of_backward_and_gates_the_buffers(poo
     assert results[0]["result"] == results[1]["result"]
 
 
+@pytest.mark.parametrize("poison", [False, True])
+def test_cuda_path_raises_at_the_end_of_backward_and_keeps_the_buffers(pool, poison):
+    """The CUDA path (forced on the CPU): the verdicts stay on the device and are read once
+    when the backward pass ends; the buffers of the disagreeing calls keep their values bit
+    for bit, also when the statistics are NaN (a lerp by 0 would write NaN), while the
+    later, agreeing call of layer 2 moves its buffers."""
+    results = pool.run(order_job, 2, [[0, 1, 2], [1, 0, 2]], None, True, True, poison)[:2]
+    for r in results:
+        assert r["phase"] == "backward"
+        name, message = r["result"]
+        assert name == "LayerMismatchError" and "(forward)" in message
+        assert r["moved"] == ["2.running_mean", "2.running_var"]
+        assert r["collectives"] == ["all_reduce"] * 6
+    assert results[0]["result"] == results[1]["result"]
+    ok = pool.run(order_job, 2, [[2, 0, 1], [2, 0, 1]], None, True, True, poison)[:2]
+    assert all(r["result"] == "ok" and len(r["moved"]) == 6 for r in ok)
+
+
 def backward_order_job(immediate=True):
     """Both ranks run the same forward (two layers on two branches) but run the two
     backward passes in the opposite order."""
     group = group_of(2)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
     if not in_group(2):
         return None
-    fingerprint.reset()
     saved = set(fingerprint.IMMEDIATE_DEVICES)
     if not immediate:
         fingerprint.IMMEDIATE_DEVICES.clear()
@@ -201,9 +238,9 @@ def functional_job():
     pass with no input gradient, so no collective) that rank 0 does not, so their next
     calls differ in the call index alone."""
     group = group_of(2)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
     if not in_group(2):
         return None
-    fingerprint.reset()
     try:
         rank = dist.get_rank()
         x = torch.randn(4, 5, 3)

@@ -115,12 +115,14 @@ def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-@pytest.mark.parametrize("sizes", [(3, 2, 4), (4, 0, 1)])
+@pytest.mark.parametrize("sizes", [(3, 2, 4), (4, 0, 1), (0, 3, 2)])
 def test_cuda_path_matches_the_cpu_path_in_float64(pool, layout, sizes):
-    """float64, W = 3 with an empty rank: the CUDA path (torch's statistics kernel, the
-    stand-ins of its normalizing and input-gradient kernels) gives the CPU path's output,
-    gradients and buffers to rounding: both compute the same formulas in float64, a few
-    2^-53 times n (at most 42 per rank) and |mean| / std = 1 apart; bound 1e-12."""
+    """float64, W = 3 with an empty rank (rank 0 too: its payload's second count, n - 1,
+    makes the group's sum N - 1 for the unbiased variance): the CUDA path (torch's
+    statistics kernel, the stand-ins of its normalizing and backward kernels) gives the
+    CPU path's output, gradients and buffers to rounding: both compute the same formulas
+    in float64, a few 2^-53 times n (at most 42 per rank) and |mean| / std = 1 apart;
+    bound 1e-12."""
     cuda = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, True)[:3]
     cpu = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, False)[:3]
     for a, b in zip(cuda, cpu):
@@ -145,3 +147,29 @@ def test_cuda_path_merged_variance_far_from_zero(pool, ratio, bound):
     ref = x.var(dim=(0, 2, 3), correction=1)
     rel = ((results[0]["running_var"].double() - ref).abs() / ref).max().item()
     assert rel < bound, rel
+
+
+def cuda_path_constants_job(batches):
+    from syncbn import stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    import syncbn
+
+    layer = syncbn.SyncBatchNorm(5, process_group=group)
+    kept = []
+    with stats._forced_cuda_path():
+        for batch in batches:
+            x = torch.randn(batch, 5, 3, 3, requires_grad=True)
+            layer(x).backward(torch.randn(x.shape))
+            kept.append(set(stats._constants))
+    return kept
+
+
+def test_cuda_path_keeps_no_constant_per_batch_size(pool):
+    """The CUDA path's device constants (copied to the GPU once, a host sync there) depend
+    on the layer, the rank and eps, not on the batch: after the first step, batches of
+    other sizes (multi-scale training, a last smaller batch) make no new one."""
+    for kept in pool.run(cuda_path_constants_job, [2, 3, 5, 1, 4])[:2]:
+        assert kept[0] and all(k == kept[0] for k in kept[1:]), [len(k) for k in kept]

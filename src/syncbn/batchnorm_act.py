@@ -294,7 +294,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
                 f"{tuple(x.shape)})"
             )
         if running_mean is not None or running_var is not None:
-            fingerprint.update_running_stats(ok, running_mean, running_var, mean, var, count, momentum)
+            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum, ok=ok)
 
         cdtype = stats.compute_dtype(x.dtype)
         offset = None if centered is None else (mean - provisional.to(mean.dtype)).to(cdtype)

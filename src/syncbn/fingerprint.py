@@ -23,10 +23,11 @@ What is fingerprinted (a :class:`Tag`, two integers):
   ``torch.compile`` (a graph traced once) the index is not counted and is 0.
 
 The check. Each of the 9 digits ``d`` (4 bits of the tag) travels as ``d`` and ``d^2``;
-after the sum over the W ranks, ``(sum d)^2 <= W * sum d^2`` (Cauchy-Schwarz) with
-equality exactly when every rank sent the same ``d``. All values are integers below
-``W * 225``, so the sums are exact in float32 (the backward payload's dtype for float32
-and half inputs) up to ``MAX_WORLD`` ranks, and float64 forms both sides of the test.
+after the sum over the W ranks, a rank that sent ``e`` finds ``sum d = W e`` and ``sum
+d^2 = W e^2`` for every digit exactly when every rank sent ``e``: together they say
+``sum (d - e)^2 = 0``, and where the ranks differ that sum is positive whichever rank
+computes it. All values are integers below ``W * 225``, so the sums are exact in float32
+(the backward payload's dtype for float32 and half inputs) up to ``MAX_WORLD`` ranks.
 Every rank sees the same sums, so every rank reaches the same verdict and raises the
 same :class:`LayerMismatchError`. With W = 2 a rank also recovers the other rank's
 digits (the sum minus its own) and names the other rank's layer when it knows that
@@ -34,8 +35,9 @@ name (a layer of its own model, or one it has called); with W > 2 it names its o
 
 When the check runs. On the CPU at once, before the running buffers move (a host read
 of a CPU tensor costs no synchronization). Elsewhere (CUDA) without a host
-synchronization per layer: the verdict stays on the device, the running buffers are
-updated only where it is good (``torch.where``), and :func:`check_agreement` reads all
+synchronization per layer: the verdict stays on the device (two operations, a comparison
+with the kept agreeing sums), the running buffers are updated only where it is good
+(``torch.where``: bit for bit kept otherwise), and :func:`check_agreement` reads all
 pending verdicts at once: at the end of every backward pass that ran a synchronized
 layer (before the optimizer can use the gradients), at the first forward of the next
 step, or when the user calls it. Under ``torch.compile`` the verdict is an assert
@@ -66,8 +68,12 @@ __all__ = [
     "layer_name",
     "forward_tag",
     "end_step",
+    "STEP_CHECK",
     "all_reduce_checked",
-    "update_running_stats",
+    "check_world",
+    "fixed_values",
+    "payload_values",
+    "pending_verdict",
     "check_agreement",
     "reset",
 ]
@@ -93,6 +99,8 @@ from .layer_fingerprint import values as _values
 
 # devices whose verdict is read on the host at once (no asynchronous queue to stall)
 IMMEDIATE_DEVICES = {"cpu"}
+# the profiler range around the once-per-step read of the pending verdicts
+STEP_CHECK = "syncbn.check_agreement"
 
 
 # ---- names ---------------------------------------------------------------------------
@@ -187,20 +195,22 @@ def reset() -> None:
 
 # ---- the payload ---------------------------------------------------------------------
 
-_digit_cache = {}  # (tag, dtype, device) -> the SIZE values of the fingerprint
-
-
-def _fingerprint(tag: Tag, dtype, device) -> Tensor:
-    values = _values(tag)
+def fixed_values(tag: Tag, dtype, device) -> Tensor:
+    """The ``SIZE`` payload values of ``tag`` as a tensor (kept per tag, dtype, device),
+    for a payload that the caller builds (:func:`all_reduce_checked` puts them last, the
+    CUDA path first); :func:`pending_verdict` checks their sums."""
     if distributed.compiling():
-        return torch.tensor(values, dtype=dtype, device=device)
-    key = (tag, dtype, device)
-    cached = _digit_cache.get(key)
-    if cached is None:
-        if len(_digit_cache) > 4096:  # a bound; tags repeat from step to step
-            _digit_cache.clear()
-        cached = _digit_cache[key] = torch.tensor(values, dtype=dtype, device=device)
-    return cached
+        return torch.tensor(_values(tag), dtype=dtype, device=device)
+    return stats.constant(_values, (tag,), dtype, device)
+
+
+def payload_values(tag: Tag) -> tuple:
+    """The ``SIZE`` payload values of ``tag`` as integers (for a payload built elsewhere)."""
+    return tuple(_values(tag))
+
+
+def _agreeing_sums(tag: Tag, world: int) -> list:
+    return [world * v for v in _values(tag)]
 
 
 def all_reduce_checked(packed: Tensor, group, tag: Tag, world: int, backward: bool = False):
@@ -210,52 +220,56 @@ def all_reduce_checked(packed: Tensor, group, tag: Tag, world: int, backward: bo
     Returns ``(summed, ok)``: ``summed`` the sum of ``packed`` (fingerprint removed);
     ``ok`` None when the verdict was read at once (a disagreement raised
     :class:`LayerMismatchError` on every rank), else a 0-d bool tensor on the device that
-    :func:`update_running_stats` must be given.
+    gates the running buffers (:func:`syncbn.stats.update_running_stats`).
     """
-    if world > MAX_WORLD:
-        raise ValueError(f"syncbn's layer fingerprint is exact up to {MAX_WORLD} ranks, got {world}")
+    check_world(world)
     size = packed.shape[0]
-    payload = torch.cat([packed, _fingerprint(tag, packed.dtype, packed.device)])
+    payload = torch.cat([packed, fixed_values(tag, packed.dtype, packed.device)])
     payload = distributed.all_reduce_sum(payload, group)
     summed, sums = payload[:size], payload[size:]
     if distributed.compiling():
-        ok = _agree(sums, world)
+        ok = _agree(sums, tag, world)
         torch._assert_async(ok, _compiled_message(tag, backward))
         return summed, ok
     if packed.device.type in IMMEDIATE_DEVICES and not stats.cuda_path(packed):
         # 18 numbers read at once: checked in Python (the CUDA path, forced on the CPU by
         # the bench's counts, keeps its verdict on the device as on CUDA)
         values = [int(v) for v in sums.tolist()]
-        if any(t * t != q * world for t, q in zip(values[:DIGITS], values[DIGITS:])):
+        if values != _agreeing_sums(tag, world):
             _raise(tag, sums, world, distributed.group_rank(group), backward)
         return summed, None
-    ok = _agree(sums, world)
+    return summed, pending_verdict(sums, group, tag, world, backward)
+
+
+def check_world(world: int) -> None:
+    if world > MAX_WORLD:
+        raise ValueError(f"syncbn's layer fingerprint is exact up to {MAX_WORLD} ranks, got {world}")
+
+
+def pending_verdict(sums: Tensor, group, tag: Tag, world: int, backward: bool = False) -> Tensor:
+    """The verdict on the ``SIZE`` summed fingerprint values, left on the device (two
+    operations, no host read) and read by :func:`check_agreement` with the others of the
+    step; a 0-d bool tensor, true where every rank sent ``tag``."""
+    ok = _agree(sums, tag, world)
     _pending.append((ok, sums, tag, world, distributed.group_rank(group), backward))
     if backward:
         _check_after_backward()
     elif len(_pending) > 1024:  # forward-only loops: bound what waits
         check_agreement()
-    return summed, ok
+    return ok
 
 
-def _agree(sums: Tensor, world: int) -> Tensor:
-    total = sums[:DIGITS].double()
-    squares = sums[DIGITS:].double()
-    return torch.eq(total * total, squares * world).all()
-
-
-def update_running_stats(ok, running_mean, running_var, mean, var, count, momentum) -> None:
-    """:func:`syncbn.stats.update_running_stats`, applied only where ``ok`` (None: checked
-    already) holds: on a disagreement the buffers keep their values."""
-    if ok is None:
-        stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
-        return
-    with torch.no_grad():
-        old = [None if b is None else b.clone() for b in (running_mean, running_var)]
-        stats.update_running_stats(running_mean, running_var, mean, var, count, momentum)
-        for buffer, before in zip((running_mean, running_var), old):
-            if buffer is not None:
-                buffer.copy_(torch.where(ok, buffer, before))
+def _agree(sums: Tensor, tag: Tag, world: int) -> Tensor:
+    """Whether the summed fingerprint is ``world`` times this rank's: per digit, ``sum d =
+    W d_own`` and ``sum d^2 = W d_own^2``. Together they give ``sum (d - d_own)^2 = sum d^2
+    - 2 d_own sum d + W d_own^2 = 0``, so every rank sent ``d_own``; where the ranks
+    differ, that sum is positive on every rank, so every rank finds the disagreement. All
+    values are integers, exact in the payload's dtype (see ``MAX_WORLD``)."""
+    if distributed.compiling():
+        expected = torch.tensor(_agreeing_sums(tag, world), dtype=sums.dtype, device=sums.device)
+    else:
+        expected = stats.constant(_agreeing_sums, (tag, world), sums.dtype, sums.device)
+    return torch.eq(sums, expected).all()
 
 
 # ---- verdicts that wait on the device ------------------------------------------------
@@ -277,15 +291,17 @@ def _check_after_backward() -> None:
 def check_agreement() -> None:
     """Read every verdict still on the device (one host synchronization) and raise
     :class:`LayerMismatchError` for the first disagreement. Runs by itself at the end of a
-    backward pass and at the first forward of a step; call it after forward-only work."""
+    backward pass and at the first forward of a step; call it after forward-only work.
+    (Marked ``syncbn.check_agreement`` in profiler traces: a cost per step, not per layer.)"""
     if not _pending:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return  # no host read while a CUDA graph is captured: the verdicts wait for the next check
     pending = list(_pending)
     _pending.clear()
-    if bool(torch.stack([p[0] for p in pending]).all()):  # the one synchronization
-        return
+    with torch.autograd.profiler.record_function(STEP_CHECK):
+        if bool(torch.stack([p[0] for p in pending]).all()):  # the one synchronization
+            return
     for ok, sums, tag, world, rank, backward in pending:
         if not bool(ok):
             _raise(tag, sums, world, rank, backward)

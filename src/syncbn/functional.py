@@ -137,14 +137,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.cuda = stats.cuda_path(x) and not distributed.compiling()
         if ctx.cuda:  # 3 passes, no host read (stats.cuda_path)
-            packed = stats.cuda_pack_moments(x, stats.accumulate_dtype(x.device))
-            packed, ok = fingerprint.all_reduce_checked(packed, group, tag, world)
-            _check_count(packed[0], n, x.shape, device_side=True)
-            cdtype = stats.compute_dtype(x.dtype)
-            mean_c, invstd, count = stats.cuda_statistics(
-                packed, channels, running_mean, running_var, momentum, eps, cdtype, ok=ok
-            )
-            y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
+            y, mean_c, invstd, count = _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum,
+                                                     group, tag, world)
             ctx.save_for_backward(x, weight, mean_c, invstd, count)
             return y
         if distributed.compiling():
@@ -156,7 +150,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         _check_count(count, n, x.shape)
 
         if running_mean is not None or running_var is not None:
-            fingerprint.update_running_stats(ok, running_mean, running_var, mean, var, count, momentum)
+            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum, ok=ok)
 
         cdtype = stats.compute_dtype(x.dtype)
         mean_c = mean.to(cdtype)
@@ -181,6 +175,10 @@ class _SyncBatchNorm(torch.autograd.Function):
         x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy = dy.contiguous(memory_format=stats.memory_format(x))
+        if ctx.cuda:
+            dx, dw, db = _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b)
+            fingerprint.end_step(ctx.group)
+            return dx, dw, db, None, None, None, None, None, None
         sum_dy, sum_dy_xhat = stats.backward_sums(dy, x, mean, invstd)
 
         dx = None
@@ -191,14 +189,63 @@ class _SyncBatchNorm(torch.autograd.Function):
             global_dy, global_dy_xhat = packed[:channels], packed[channels:]
             if x.numel() == 0:
                 dx = torch.zeros_like(x)
-            elif ctx.cuda:  # one pass: read dy and x, write dx
-                dx = stats.cuda_input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
             else:
                 dx = stats.input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
         dw = sum_dy_xhat.to(weight.dtype) if need_w else None
         db = sum_dy.to(ctx.bias_dtype) if need_b else None
         fingerprint.end_step(ctx.group)
         return dx, dw, db, None, None, None, None, None, None
+
+
+# ---- the CUDA path (stats.cuda_path): torch's kernels, C-sized operations, no host read
+# Per call, forward: the statistics kernel, the payload (one cat, two addcmul),
+# the all-reduce, the fingerprint verdict (2), the merge (5), the running buffers (3) and
+# batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
+# verdict (2), the integer count and batch_norm_backward_elemt. The payload puts the
+# fingerprint first: [fingerprint, n, n - 1 | n, n m, n (var + m^2)] forward,
+# [fingerprint, sum dy, sum dy (x - mean)] backward.
+
+
+def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, tag, world):
+    fingerprint.check_world(world)
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    mean, var = stats.cuda_local_stats(x)
+    fixed = fingerprint.payload_values(tag)
+    size = len(fixed)
+    first = distributed.group_rank(group) == 0
+    packed = stats.cuda_pack_moments(mean, var, n, stats.accumulate_dtype(x.device), fixed, first)
+    packed = distributed.all_reduce_sum(packed, group)
+    ok = fingerprint.pending_verdict(packed[:size], group, tag, world)
+    _check_count(packed[size], n, x.shape, device_side=True)
+    mean_c, invstd, unbiased, count = stats.cuda_statistics(packed[size:], channels, eps, stats.compute_dtype(x.dtype))
+    stats.cuda_update_running_stats(running_mean, running_var, mean_c, unbiased, momentum, ok)
+    y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
+    return y, mean_c, invstd, count
+
+
+def _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b):
+    channels = x.shape[1]
+    if x.numel() == 0:
+        sum_dy = sum_dy_xmu = torch.zeros(channels, dtype=mean.dtype, device=x.device)
+        dw = torch.zeros_like(weight) if need_w else None
+        db = torch.zeros(channels, dtype=ctx.bias_dtype, device=x.device) if need_b else None
+    else:
+        sum_dy, sum_dy_xmu, dw, db = stats.cuda_backward_reduce(dy, x, mean, invstd, weight, need_w, need_b)
+    dx = None
+    if need_x:
+        fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, x.device)
+        size = fixed.shape[0]
+        packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xmu]), ctx.group)
+        fingerprint.pending_verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+        global_dy, global_dy_xmu = packed[size:size + channels], packed[size + channels:]
+        if x.numel() == 0:
+            dx = torch.zeros_like(x)
+        else:
+            dx = stats.cuda_input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xmu, count)
+    dw = None if dw is None else dw.to(weight.dtype)
+    db = None if db is None else db.to(ctx.bias_dtype)
+    return dx, dw, db
 
 
 def sync_batch_norm(

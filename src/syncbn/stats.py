@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +41,15 @@ __all__ = [
     "input_grad",
     "backward_sums_from_output",
     "input_grad_from_output",
+    "move_buffer",
+    "constant",
     "cuda_path",
+    "cuda_local_stats",
     "cuda_pack_moments",
     "cuda_statistics",
+    "cuda_update_running_stats",
     "cuda_normalize",
+    "cuda_backward_reduce",
     "cuda_input_grad",
 ]
 
@@ -247,17 +252,30 @@ def merge_moments(packed: torch.Tensor, channels: int):
 
 
 @torch.no_grad()
-def update_running_stats(running_mean, running_var, mean, var, count, momentum) -> None:
+def update_running_stats(running_mean, running_var, mean, var, count, momentum, ok=None) -> None:
     """EMA update of the running buffers with the global statistics, in place.
 
     ``momentum`` is the weight of the new value (a float, or a 0-d tensor for the
-    cumulative average); the variance written is unbiased with the global count.
-    """
+    cumulative average); the variance written is unbiased with the global count. ``ok``
+    (a 0-d bool tensor, see :func:`move_buffer`) gates the update on the device."""
     if running_mean is not None:
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+        move_buffer(running_mean, mean.to(running_mean.dtype), momentum, ok)
     if running_var is not None:
         unbiased = var * (count / (count - 1))
-        running_var.lerp_(unbiased.to(running_var.dtype), momentum)
+        move_buffer(running_var, unbiased.to(running_var.dtype), momentum, ok)
+
+
+def move_buffer(buffer, value, momentum, ok=None, moved=None) -> None:
+    """``buffer.lerp_(value, momentum)`` where ``ok`` holds (None: always). Where it does
+    not, the buffer keeps its bits whatever it and ``value`` hold (``torch.where``, no host
+    read; a lerp by 0 would still write NaN from a non-finite value). ``moved``: the lerp,
+    computed already."""
+    if ok is None:
+        buffer.lerp_(value, momentum)
+        return
+    if moved is None:
+        moved = torch.lerp(buffer, value, momentum)
+    torch.where(ok, moved, buffer, out=buffer)
 
 
 def affine(x: torch.Tensor, mean, scale, shift, out=None) -> torch.Tensor:
@@ -363,12 +381,13 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
 # On a GPU a layer call is bounded by passes over activation-sized tensors and by kernel
 # launches (DESIGN.md). On CUDA the synchronized layer takes torch's one-pass statistics
 # kernel, C-sized operations with no host read, and torch's own SyncBatchNorm kernels to
-# normalize and for the input gradient: 3 passes forward (read x; read x, write y) and 5
-# backward (read dy and x; read dy and x, write dx), as torch.nn.SyncBatchNorm.
+# normalize, for the backward reduction and for the input gradient: 3 passes forward (read
+# x; read x, write y) and 5 backward (read dy and x; read dy and x, write dx), as
+# torch.nn.SyncBatchNorm, and within its kernel launches + 4 each way (``syncbn bench``).
 #
 # ``_FORCE_CUDA_PATH`` (tests and ``syncbn bench`` only) sends CPU tensors down the same
 # path, so that its operations can be counted and checked on a machine without a GPU.
-# Two of its kernels exist only on CUDA; on the CPU each is replaced by a stand-in
+# Three of its kernels exist only on CUDA; on the CPU each is replaced by a stand-in
 # custom operator with the same inputs and output (one recorded operation, as the CUDA
 # kernel is one launch), built from the portable formulas above.
 _FORCE_CUDA_PATH = False
@@ -390,56 +409,135 @@ def cuda_path(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" or _FORCE_CUDA_PATH
 
 
-def cuda_pack_moments(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`pack_moments` from torch's one-pass statistics kernel and five C-sized
-    operations. No residual pass for the rounding of the mean: that rounding, d ~ u r
-    std at |mean| / std = r (u = 2^-24; a few times that from the kernel's float32
-    Welford accumulation on CUDA), moves each rank's mean, so the merge sees the true
-    spread of the ranks' means (~1 / sqrt(n) std for n elements per rank) shifted by d:
-    the merged variance is off by about 2 d / sqrt(n) + d^2 relative (1e-6 at r = 1e4,
-    n = 2.6e5; 1e-4 only below n ~ 100 there), the merged mean by ~u |mean|, the
-    resolution of a float32 mean. torch.nn.SyncBatchNorm merges float32 means the same
-    way. The CPU path measures the rounding and adds it back (:func:`local_moments`)."""
+# Small constant tensors of the CUDA path (the payload's fixed values, its offset and mask,
+# eps), built once per device and dtype, none depending on the batch size: a
+# host-to-device copy is a host synchronisation on CUDA, so it happens on the first call
+# (capture a CUDA graph after an eager warm-up step, as torch recommends anyway).
+_constants = {}
+
+
+def constant(build, args: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.tensor(build(*args), dtype=dtype, device=device)``, made once and kept.
+
+    The key is ``(build, args, dtype, device)``: everything the tensor is made from, so a
+    kept tensor always holds what a new one would (``build`` must be a pure function of
+    ``args``). Callers only read the tensor, never write it. The store is bounded."""
+    key = (build, args, dtype, device)
+    kept = _constants.get(key)
+    if kept is None:
+        if len(_constants) > 4096:
+            _constants.clear()
+        kept = _constants[key] = torch.tensor(build(*args), dtype=dtype, device=device)
+    return kept
+
+
+def _listed(values: tuple) -> list:
+    return list(values)
+
+
+def _pack_offset(fixed: tuple, first: bool, channels: int) -> list:
+    # the fixed values, then 0 and -1 on the group's first rank (the counts n and n - 1)
+    return list(fixed) + [0, -int(first)] + [0] * (2 * channels)
+
+
+def _pack_mask(size: int, channels: int) -> list:
+    return [0] * size + [1] * (2 + 2 * channels)
+
+
+def _eps_rows(eps: float) -> list:
+    return [[[0.0], [0.0]], [[eps], [0.0]]]
+
+
+def _floors(eps: float) -> list:
+    return [[eps], [0.0]]
+
+
+def cuda_local_stats(x: torch.Tensor):
+    """This rank's per-channel ``(mean, biased var)`` from torch's one-pass statistics
+    kernel (zeros for an empty ``x``)."""
     channels = x.shape[1]
-    n = x.numel() // channels if channels else 0
-    if n == 0:
-        return torch.zeros(2 * channels + 1, dtype=dtype, device=x.device)
-    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-    packed = torch.cat([mean.new_ones(1), mean, var]).to(dtype)  # [1, m, var]
-    m = packed[1 : channels + 1]
-    packed[channels + 1 :].addcmul_(m, m)  # [1, m, var + m^2]
-    return packed.mul_(n)
+    if x.numel() == 0:
+        zeros = torch.zeros(channels, dtype=compute_dtype(x.dtype), device=x.device)
+        return zeros, zeros
+    return torch.batch_norm_update_stats(x, None, None, 0.0)
 
 
-def cuda_statistics(packed, channels, running_mean, running_var, momentum, eps, cdtype, ok=None):
-    """From the summed packs: ``(mean, invstd, count)``, mean and inverse standard
-    deviation in ``cdtype`` (what the normalizing kernels take), the global count as a
-    0-d tensor; the running buffers are updated in place. Ten C-sized operations, no
-    host read (:func:`merge_moments` and :func:`update_running_stats` in fewer launches:
-    one ``_foreach_lerp_`` moves both buffers)."""
-    count = packed[0]
-    moments = packed[1:].view(2, channels) / count  # mean, E[x^2]
-    mean, var = moments[0], moments[1]
-    var.addcmul_(mean, mean, value=-1).clamp_min_(0)  # biased variance
-    rows = [mean, var]
-    if running_var is not None:
-        rows.append(torch.addcdiv(var, var, count - 1))  # unbiased: var * N / (N - 1)
-    stacked = torch.stack(rows).to(cdtype)
-    pairs = [(b, stacked[i]) for b, i in ((running_mean, 0), (running_var, 2)) if b is not None]
-    if ok is not None and pairs:
-        # a layer-fingerprint verdict still on the device (syncbn.fingerprint): the weight is
-        # 0 where the ranks disagreed, and a lerp by 0 leaves a (finite) buffer exactly as it is
-        # (one launch; a tensor weight goes to lerp_'s Tensor overload: the foreach
-        # variant would read a 0-d weight on the host)
-        momentum = ok * momentum
-    if pairs and not isinstance(momentum, torch.Tensor) and all(b.dtype == cdtype for b, _ in pairs):
-        torch._foreach_lerp_([b for b, _ in pairs], [v for _, v in pairs], momentum)
-    else:
-        with torch.no_grad():
-            for buffer, value in pairs:
-                buffer.lerp_(value.to(buffer.dtype), momentum)
-    invstd = (stacked[1] + eps).rsqrt_()
-    return stacked[0], invstd, count
+def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple, first: bool) -> torch.Tensor:
+    """``[fixed, n, n - first, n * m, n * (var + m^2)]`` in ``dtype`` (the payload of
+    :func:`pack_moments` with two counts, after the caller's ``fixed`` integers, kept
+    exactly) in three C-sized operations:
+
+        rows    = [fixed, 1, 1, m, var]                                      (cat)
+        payload = [fixed, 0, -first, 0...] + n * rows * [0..., 1, 1, 1...]   (addcmul)
+        payload[n (var + m^2) part] += n * m * m                             (addcmul_)
+
+    (the mask's zeros meet only the finite fixed values, so a NaN statistic never reaches
+    the fixed part: the fingerprint's verdict stays exact). The vectors are kept device constants that do not depend on ``n`` (a batch of another
+    size makes none); the ``addcmul`` also converts to ``dtype``. ``first``: this rank is
+    the group's rank 0, so the second count sums to N - 1 over the group (for the unbiased
+    variance).
+
+    For float32 statistics the float64 products are exact (a float32 value times an
+    integer below 2^29) but for ``n * m^2``, rounded once. No residual pass for the
+    rounding of the mean: that rounding, d ~ u r std at |mean| / std = r (u = 2^-24; a
+    few times that from the kernel's float32 Welford accumulation on CUDA), moves each
+    rank's mean, so the merge sees the true spread of the ranks' means (~1 / sqrt(n) std
+    for n elements per rank) shifted by d: the merged variance is off by about
+    2 d / sqrt(n) + d^2 relative (1e-6 at r = 1e4, n = 2.6e5; 1e-4 only below n ~ 100
+    there), the merged mean by ~u |mean|, the resolution of a float32 mean.
+    torch.nn.SyncBatchNorm merges float32 means the same way. The CPU path measures the
+    rounding and adds it back (:func:`local_moments`)."""
+    channels, size, device = mean.shape[0], len(fixed), mean.device
+    rows = torch.cat([constant(_listed, (tuple(fixed) + (1, 1),), mean.dtype, device), mean, var])
+    payload = torch.addcmul(constant(_pack_offset, (tuple(fixed), bool(first), channels), dtype, device),
+                            rows, constant(_pack_mask, (size, channels), dtype, device), value=n)
+    if n:
+        payload[size + 2 + channels:].addcmul_(mean, mean, value=n)
+    return payload
+
+
+def cuda_statistics(summed: torch.Tensor, channels: int, eps: float, cdtype: torch.dtype):
+    """From the group's sums ``[N, N - 1, S1, S2]`` (:func:`cuda_pack_moments` summed):
+    ``(mean, invstd, unbiased var, count)``, the first three in ``cdtype`` (what the
+    normalizing kernels and the running buffers take), the global count as a 0-d tensor.
+    Five C-sized operations, no host read:
+
+        [mean, a, E2 + eps, F] = [[0, 0], [eps, 0]] + [S1, S2] / [N, N - 1]   (addcdiv)
+        [var + eps, unbiased]  = [E2 + eps, F] - [mean, a] * mean             (addcmul_)
+
+    (a = S1 / (N - 1), F = S2 / (N - 1): ``F - a * mean = (S2 - S1^2 / N) / (N - 1)``),
+    both clamped below at [eps, 0], then ``rsqrt``, all in the sums' dtype (float64:
+    the one cancellation, ``E2 - mean^2``, loses about 1e-16 (|mean| / std)^2 relative),
+    and one conversion to ``cdtype``."""
+    sums = summed[2:].view(2, 1, channels)
+    counts = summed[:2].view(1, 2, 1)
+    rows = torch.addcdiv(constant(_eps_rows, (eps,), summed.dtype, summed.device), sums, counts).view(4, channels)
+    rows[2:].addcmul_(rows[:2], rows[:1], value=-1)
+    rows[2:].clamp_min_(constant(_floors, (eps,), summed.dtype, summed.device))
+    torch.rsqrt(rows[2], out=rows[1])
+    out = rows.to(cdtype)
+    return out[0], out[1], out[3], summed[0]
+
+
+@torch.no_grad()
+def cuda_update_running_stats(running_mean, running_var, mean, unbiased, momentum, ok) -> None:
+    """The running buffers moved towards ``mean`` and ``unbiased`` by ``momentum`` where
+    ``ok`` (a 0-d bool tensor; None: always): both lerps in one ``_foreach_lerp`` (a
+    float momentum and the buffers in the statistics' dtype), then one ``torch.where`` per
+    buffer that keeps it bit for bit where ``ok`` is false (:func:`move_buffer`)."""
+    pairs = [(b, v) for b, v in ((running_mean, mean), (running_var, unbiased)) if b is not None]
+    if not pairs:
+        return
+    if isinstance(momentum, torch.Tensor) or any(b.dtype != v.dtype for b, v in pairs):
+        for buffer, value in pairs:
+            move_buffer(buffer, value.to(buffer.dtype), momentum, ok)
+        return
+    buffers, values = [b for b, _ in pairs], [v for _, v in pairs]
+    if ok is None:
+        torch._foreach_lerp_(buffers, values, momentum)
+        return
+    for buffer, moved in zip(buffers, torch._foreach_lerp(buffers, values, momentum)):
+        move_buffer(buffer, None, momentum, ok, moved=moved)
 
 
 def _normalize_standin(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -455,16 +553,24 @@ def _input_grad_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, i
     return input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu * invstd, count.sum())
 
 
+def _backward_reduce_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                             weight: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+    sum_dy, sum_dy_xhat = backward_sums(dy, x, mean, invstd)
+    dtype = sum_dy.dtype if weight is None else weight.dtype
+    return sum_dy, sum_dy_xhat / invstd, sum_dy_xhat.to(dtype, copy=True), sum_dy.to(dtype, copy=True)
+
+
 @functools.lru_cache(maxsize=None)
 def _standins():
-    """The two stand-ins as custom operators (one opaque operation each, like the CUDA
+    """The three stand-ins as custom operators (one opaque operation each, like the CUDA
     kernels), registered on first use: only the forced path needs them, so importing
     syncbn registers nothing."""
-    normalize, input_grad_ = _normalize_standin, _input_grad_standin
-    if hasattr(torch.library, "custom_op"):
-        normalize = torch.library.custom_op("syncbn::batch_norm_elemt_standin", mutates_args=())(normalize)
-        input_grad_ = torch.library.custom_op("syncbn::batch_norm_backward_elemt_standin", mutates_args=())(input_grad_)
-    return normalize, input_grad_
+    ops = (_normalize_standin, _input_grad_standin, _backward_reduce_standin)
+    if not hasattr(torch.library, "custom_op"):
+        return ops
+    names = ("batch_norm_elemt_standin", "batch_norm_backward_elemt_standin", "batch_norm_backward_reduce_standin")
+    return tuple(torch.library.custom_op(f"syncbn::{name}", mutates_args=())(op) for name, op in zip(names, ops))
 
 
 def cuda_normalize(x, weight, bias, mean, invstd) -> torch.Tensor:
@@ -474,11 +580,20 @@ def cuda_normalize(x, weight, bias, mean, invstd) -> torch.Tensor:
     return _standins()[0](x, weight, bias, mean, invstd)
 
 
-def cuda_input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count) -> torch.Tensor:
+def cuda_backward_reduce(dy, x, mean, invstd, weight, need_w: bool, need_b: bool):
+    """``(sum dy, sum dy * (x - mean), weight gradient, bias gradient)`` per channel:
+    ``torch.batch_norm_backward_reduce`` (one pass: read dy and x). The gradients are
+    None unless asked for (``need_w``, ``need_b``)."""
+    if x.device.type == "cuda":
+        return torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, True, need_w, need_b)
+    sum_dy, sum_dy_xmu, dw, db = _standins()[2](dy, x, mean, invstd, weight)
+    return sum_dy, sum_dy_xmu, dw if need_w else None, db if need_b else None
+
+
+def cuda_input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu, count) -> torch.Tensor:
     """:func:`input_grad` as ``torch.batch_norm_backward_elemt`` (one pass: read dy and
-    x, write dx), which takes ``sum dy * (x - mean)`` and integer per-rank counts."""
+    x, write dx), which takes the group's ``sum dy * (x - mean)`` and integer counts."""
     counts = count.to(torch.int32).view(1)
-    sum_dy_xmu = sum_dy_xhat / invstd
     if x.device.type == "cuda":
         return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
     return _standins()[1](dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)

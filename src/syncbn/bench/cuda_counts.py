@@ -13,9 +13,15 @@ the forward and the autograd engine's backward alike). Per call, forward and bac
 - **host syncs**: operations that make the host wait for the device (``.item()``,
   ``bool(tensor)``, ``nonzero``, a boolean-mask index).
 
-Two CUDA kernels of the path (``batch_norm_elemt``, ``batch_norm_backward_elemt``) do not
-exist on the CPU; there the path calls stand-in operators with the same inputs and
-output, recorded as one operation each, the way the CUDA kernel is one launch.
+Three CUDA kernels of the path (``batch_norm_elemt``, ``batch_norm_backward_reduce``,
+``batch_norm_backward_elemt``) do not exist on the CPU; there the path calls stand-in
+operators with the same inputs and outputs, recorded as one operation each, the way the
+CUDA kernel is one launch.
+
+The layer fingerprint's verdicts (:mod:`syncbn.fingerprint`) are read once per step, when
+the backward pass ends, in a ``syncbn.check_agreement`` profiler range: its operations
+(2 launches, 1 host sync, whatever the number of layers) are counted apart, under
+``per_step``, not in the layer call's counts.
 
 ``torch.nn.SyncBatchNorm`` refuses CPU tensors, so its counts are read off its source
 (``torch/nn/modules/_functions.py``, torch 2.13, NCCL path) and given beside ours as
@@ -26,12 +32,13 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-__all__ = ["count_call", "layer_counts", "TORCH_SYNCBN", "BATCHNORM2D", "STANDINS"]
+__all__ = ["count_call", "layer_counts", "main", "TORCH_SYNCBN", "BATCHNORM2D", "STANDINS"]
 
 # The stand-ins of the forced CPU path and the CUDA kernel each one stands for.
 STANDINS = {
     "syncbn::batch_norm_elemt_standin": "aten::batch_norm_elemt",
     "syncbn::batch_norm_backward_elemt_standin": "aten::batch_norm_backward_elemt",
+    "syncbn::batch_norm_backward_reduce_standin": "aten::batch_norm_backward_reduce",
 }
 
 # torch.nn.SyncBatchNorm's CUDA algorithm per training call (read, not run), module
@@ -63,6 +70,7 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "lift_fresh", "set_", "resize_"}
 _SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+_MARKERS = {"profiler"}  # profiler ranges: host-side bookkeeping, no kernel
 
 
 def _tensors(value):
@@ -80,6 +88,8 @@ def _record(func, args, kwargs, out, numel: int) -> dict:
     base = name.split("::", 1)[-1].split(".", 1)[0]
     if func.namespace in _COLLECTIVE_NAMESPACES:
         kind = "collective"
+    elif func.namespace in _MARKERS:
+        kind = "marker"
     elif base in _SYNCS:
         kind = "host_sync"
     elif func.is_view or base in _NO_KERNEL:
@@ -99,30 +109,47 @@ def _record(func, args, kwargs, out, numel: int) -> dict:
     outs = [t for t in _tensors(out) if t.numel() == numel]
     written = len(outs) if _tensors(out) else len(mutated)
     return {"op": STANDINS.get(name, name), "kind": kind,
-            "passes": 0 if kind in ("view", "collective") else reads + written,
+            "passes": 0 if kind in ("view", "collective", "marker") else reads + written,
             "shapes": [list(t.shape) for t in _tensors(values)]}
 
 
 def count_call(layer, x, dy) -> Dict[str, dict]:
     """Forward and backward counts of ``layer(x)`` with output gradient ``dy``, on the
-    CUDA path (the caller's layer must take it: see :mod:`syncbn.stats`)."""
+    CUDA path (the caller's layer must take it: see :mod:`syncbn.stats`), in the steady
+    state: one step (forward and backward) runs first, uncounted, so the small constants
+    the path keeps on the device exist already (on CUDA their first copy is a host sync,
+    once per layer and process).
+
+    The operations inside the ``syncbn.check_agreement`` profiler range (the layer
+    fingerprint's verdicts of the whole step read at once when the backward pass ends,
+    :mod:`syncbn.fingerprint`) are counted apart, under ``per_step``: they are paid once
+    per backward pass whatever the number of layers, not per layer call."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from .. import stats
+    from .. import fingerprint, stats
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.ops: List[dict] = []
+            self.step: List[dict] = []
+            self.in_step = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            self.ops.append(_record(func, args, kwargs, out, x.numel()))
+            if func.name() == "profiler::_record_function_enter_new" and args and args[0] == fingerprint.STEP_CHECK:
+                self.in_step = True
+            elif func.name().startswith("profiler::_record_function_exit"):
+                self.in_step = False
+            (self.step if self.in_step else self.ops).append(_record(func, args, kwargs, out, x.numel()))
             return out
 
     result = {}
     with stats._forced_cuda_path():
+        layer(x).backward(dy)  # warm-up
+        for t in [x, *layer.parameters()]:
+            t.grad = None  # the counted backward writes its gradients, as a first one would
         forward = Recorder()
         with forward:
             y = layer(x)
@@ -130,15 +157,17 @@ def count_call(layer, x, dy) -> Dict[str, dict]:
         with backward:
             y.backward(dy)
     for name, rec in (("forward", forward), ("backward", backward)):
-        ops = rec.ops
-        result[name] = {
-            "passes": sum(o["passes"] for o in ops),
+        result[name] = {**_totals(rec.ops), "ops": [o for o in rec.ops if o["kind"] not in ("view", "marker")],
+                        "per_step": {**_totals(rec.step),
+                                     "ops": [o for o in rec.step if o["kind"] not in ("view", "marker")]}}
+    return result
+
+
+def _totals(ops: List[dict]) -> dict:
+    return {"passes": sum(o["passes"] for o in ops),
             "launches": sum(o["kind"] == "launch" for o in ops),
             "host_syncs": sum(o["kind"] == "host_sync" for o in ops),
-            "collectives": sum(o["kind"] == "collective" for o in ops),
-            "ops": [o for o in ops if o["kind"] != "view"],
-        }
-    return result
+            "collectives": sum(o["kind"] == "collective" for o in ops)}
 
 
 def layer_counts(spec: dict, group=None) -> dict:
@@ -178,3 +207,40 @@ def _bars(rows: list) -> dict:
                    "launches_ok": worst["launches"] <= TORCH_SYNCBN[way]["launches"] + 4,
                    "no_host_sync": worst["host_syncs"] == 0}
     return ok
+
+
+def _job(spec: dict):
+    return layer_counts(spec)
+
+
+def main(argv=None) -> int:
+    """``python -m syncbn.bench.cuda_counts [--shape N C H W] [-v]``: the counts alone (2 gloo
+    processes on this machine, both layouts), without the rest of ``syncbn bench``."""
+    import argparse
+
+    from ..launch import WorkerPool
+
+    parser = argparse.ArgumentParser(description="syncbn's CUDA path counted on the CPU, per layer call")
+    parser.add_argument("--shape", type=int, nargs=4, default=[2, 64, 28, 28], metavar=("N", "C", "H", "W"))
+    parser.add_argument("-v", "--verbose", action="store_true", help="list the recorded operations")
+    args = parser.parse_args(argv)
+    with WorkerPool(2) as pool:
+        rep = pool.run(_job, {"shapes": [args.shape], "layouts": ["contiguous", "channels_last"]})[0]
+    cell = lambda c: f"{c['passes']} / {c['launches']} / {c['host_syncs']}"  # noqa: E731
+    print("per layer call: forward, backward passes / launches / host syncs (collectives apart)")
+    for row in rep["syncbn"]:
+        print(f"  syncbn.SyncBatchNorm {tuple(row['shape'])} {row['layout']}: {cell(row['forward'])}, "
+              f"{cell(row['backward'])}; once per step: {cell(row['backward']['per_step'])}")
+        for way in ("forward", "backward") if args.verbose else ():
+            for op in row[way]["ops"] + row[way]["per_step"]["ops"]:
+                print(f"      {way} {op['kind']} {op['op']} passes={op['passes']} {op['shapes']}")
+    for key, label in (("torch_syncbn", "torch.nn.SyncBatchNorm (read)"), ("batchnorm2d", "torch.nn.BatchNorm2d (read)")):
+        print(f"  {label}: {cell(rep[key]['forward'])}, {cell(rep[key]['backward'])}")
+    for way, bar in rep["bars"].items():
+        print(f"  bars {way}: passes {'ok' if bar['passes_ok'] else 'FAIL'}, launches "
+              f"{'ok' if bar['launches_ok'] else 'FAIL'}, host syncs {'ok' if bar['no_host_sync'] else 'FAIL'}")
+    return 0 if all(b["passes_ok"] and b["launches_ok"] and b["no_host_sync"] for b in rep["bars"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -297,7 +297,15 @@ def _cuda_bar(counts: Optional[dict]) -> dict:
     figure = "; ".join(f"{way}: {b['worst']['passes']} passes, {b['worst']['launches']} launches "
                        f"(torch.nn.SyncBatchNorm {counts['torch_syncbn'][way]['launches']}), "
                        f"{b['worst']['host_syncs']} host syncs" for way, b in bars.items())
-    return _bar(CUDA_BAR, ok, figure)
+    return _bar(CUDA_BAR, ok, f"{figure}; {_per_step(counts)}")
+
+
+def _per_step(counts: dict) -> str:
+    """What the step pays once, whatever its number of layers: the fingerprint's read."""
+    worst = {k: max(r[way]["per_step"][k] for r in counts["syncbn"] for way in ("forward", "backward"))
+             for k in ("launches", "host_syncs")}
+    return (f"once per step (the layer fingerprint's verdicts read when the backward pass ends): "
+            f"{worst['launches']} launches, {worst['host_syncs']} host sync")
 
 
 def _cuda_count_rows(report: dict) -> List[List[str]]:
@@ -562,6 +570,7 @@ def terminal(report: dict) -> str:
         out.append("")
         out.append("CUDA path per layer call, one all-reduce each way (collectives not in the launches)")
         out += _table(CUDA_HEADER, _cuda_count_rows(report))
+        out.append(_per_step(report["cuda_counts"]))
     out.append("")
     out.append("Memory")
     out += _memory_lines(report, md=False)
@@ -631,14 +640,16 @@ def markdown(report: dict, images: List[str]) -> str:
     if report.get("cuda_counts"):
         out += ["", "## CUDA path: passes, launches, host synchronisations per layer call", ""]
         out.append("syncbn's rows are counted: the layer runs on the CPU with its device-dependent choices forced to "
-                   "the CUDA ones, every dispatched operation recorded with its shapes (report.json lists them); the "
-                   "two CUDA-only kernels run as CPU stand-ins recorded as one operation each. torch's rows are read "
+                   "the CUDA ones, every dispatched operation recorded with its shapes (report.json lists them), "
+                   "after one uncounted warm-up step; the three CUDA-only kernels run as CPU stand-ins recorded as "
+                   "one operation each. torch's rows are read "
                    "off their sources (torch.nn.SyncBatchNorm refuses CPU tensors): "
                    f"{report['cuda_counts']['torch_syncbn']['source']}; under CUDA-graph capture it skips its "
                    f"rank mask: {report['cuda_counts']['torch_syncbn']['forward']['launches_under_graph_capture']} "
                    "launches and no host sync forward.")
         out.append("")
         out += _md_table(CUDA_HEADER, _cuda_count_rows(report))
+        out += ["", f"syncbn, {_per_step(report['cuda_counts'])}."]
     out += ["", "## Memory", ""] + _memory_lines(report, md=True)
     out += ["", "Fused BN + activation (syncbn.SyncBatchNormAct) against syncbn.SyncBatchNorm + LeakyReLU:", ""]
     out += [f"- {f['figure']}: {f['text']}" for f in report["fused"]]
