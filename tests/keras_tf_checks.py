@@ -1048,5 +1048,114 @@ def fingerprint_call_index():
     return {"traced": seen, "eager": eager}
 
 
+
+class PairedReplica(TwoReplicas):
+    """A replica context of 2 replicas in which the other replica sends the same values
+    as this one and, for its fingerprint, this one's (``other`` None: they agree) or
+    ``other``'s; the sums are what two such replicas would all-reduce."""
+
+    class strategy:  # tf_sum_dtype looks at the strategy's class name
+        pass
+
+    def all_reduce(self, op, value):
+        import tensorflow as tf
+
+        from syncbn import layer_fingerprint as lf
+
+        if self.other is None:
+            return value + value
+        size = int(value.shape[0]) - lf.SIZE
+        theirs = tf.concat([value[:size], tf.constant(lf.values(self.other), value.dtype)], 0)
+        return value + theirs
+
+
+def xla_run(other, optimizer, steps=1):
+    """Steps of a Dense + SyncBatchNormalization model compiled by XLA, in the 2-replica
+    context of ``PairedReplica(other)``; returns (losses, the state before, after, the
+    layer). The state is every weight, optimizer variable and moving statistic."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization, replicas
+
+    rng = np.random.default_rng(7)
+    keras.utils.set_random_seed(7)
+    dense = keras.layers.Dense(3)
+    bn = SyncBatchNormalization(momentum=0.5)
+    dense.build((None, 4))
+    bn.build((None, 3))
+    optimizer.build(dense.trainable_variables + bn.trainable_variables)
+    x = tf.constant(rng.normal(2.0, 1.5, (6, 4)).astype(np.float32))
+    ctx = PairedReplica(other)
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(bn(dense(x), training=True) - 1.0))
+        weights = dense.trainable_variables + bn.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return loss
+
+    def state():
+        return [np.array(v.numpy()) for v in dense.weights + bn.weights + optimizer.variables]
+
+    original = replicas.tf_replica_context
+    replicas.tf_replica_context = lambda: ctx
+    try:
+        before = state()
+        losses = [float(step(x)) for _ in range(steps)]
+        return losses, before, state(), bn
+    finally:
+        replicas.tf_replica_context = original
+
+
+@check
+def fingerprint_xla_step():
+    """Under XLA (the assert compiled away) a disagreeing step, with the optimizer
+    wrapped in SkipMismatchedSteps, changes nothing: every weight, optimizer variable
+    (iterations, momentum) and moving statistic keeps its bits; its loss is NaN;
+    check_agreement() and the MismatchCheck callback then raise LayerMismatchError
+    naming both replicas' layers. An agreeing step trains as without the wrapper."""
+    import keras
+
+    from syncbn import layer_fingerprint as lf
+    from syncbn.keras import MismatchCheck, SkipMismatchedSteps, check_agreement
+
+    info = {}
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    losses, before, after, _ = xla_run(None, SkipMismatchedSteps(sgd()), steps=2)
+    plain_losses, plain_before, plain_after, _ = xla_run(None, sgd(), steps=2)
+    assert np.all(np.isfinite(losses)) and losses == plain_losses, (losses, plain_losses)
+    for got, ref, start in zip(after, plain_after, before):
+        assert np.array_equal(got, ref), (got, ref)
+    assert sum(not np.array_equal(a, b) for a, b in zip(after, before)) >= 6, "the agreeing steps moved too little"
+    check_agreement()  # agreeing steps leave no verdict
+    info["agree, losses"] = losses
+
+    other = lf.Tag(lf.remember("some_other_layer", 3), 0)
+    losses, before, after, bn = xla_run(other, SkipMismatchedSteps(sgd()))
+    assert np.isnan(losses[0]), losses
+    changed = [i for i, (a, b) in enumerate(zip(after, before)) if not np.array_equal(a, b, equal_nan=False)]
+    assert not changed, f"state changed by a disagreeing XLA step: {changed}"
+    for raise_it in (check_agreement, lambda: MismatchCheck().on_train_batch_end(0)):
+        try:
+            raise_it()
+            raise AssertionError("no LayerMismatchError after a disagreeing XLA step")
+        except lf.LayerMismatchError as err:
+            message = str(err)
+    assert "(forward)" in message and "(2 disagreeing call(s)" in message, message
+    assert f"replica 0 called layer '{bn.name}' (3 channels), call 0" in message, message
+    assert "replica 1 called layer 'some_other_layer' (3 channels), call 0" in message, message
+    info["disagree, message"] = message
+
+    # Without the wrapper the moving statistics still keep their bits; the weights do not.
+    losses, before, after, bn = xla_run(other, sgd())
+    moving = [i for i, w in enumerate(bn.weights) if not w.trainable]
+    offset = 2  # the Dense kernel and bias come first
+    assert all(np.array_equal(after[offset + i], before[offset + i]) for i in moving), "moving statistics moved"
+    info["no wrapper: weights NaN"] = bool(np.isnan(after[0]).any())
+    return info
+
+
 if __name__ == "__main__":
     worker_main(CHECKS, setup)
