@@ -1157,5 +1157,43 @@ def fingerprint_xla_step():
     return info
 
 
+@check
+def fingerprint_guard_in_fit():
+    """SkipMismatchedSteps and MismatchCheck in model.fit under MirroredStrategy(2)
+    (whose optimizer merges in a cross-replica call): the weights and optimizer state
+    after agreeing steps are bit for bit those of the plain optimizer, and every
+    layer's record holds no disagreement."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import MismatchCheck, SkipMismatchedSteps, check_agreement, convert
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((32, 8, 8, 3)) + [3.0, -1.0, 5.0]).astype(np.float32)
+    y = rng.integers(0, 3, 32)
+    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+
+    def train(guard):
+        with mirrored(2).scope():
+            model = small_convnet(keras.layers.BatchNormalization)
+            model.set_weights(initial)
+            model = convert(model)
+            optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+            model.compile(optimizer=SkipMismatchedSteps(optimizer) if guard else optimizer,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[MismatchCheck()] if guard else [])
+        return model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+
+    guarded, plain = train(True), train(False)
+    assert len(guarded) == len(plain)
+    for a, b in zip(guarded, plain):
+        assert np.array_equal(a, b), nan_safe.max_abs_diff(a, b)
+    check_agreement()
+    iterations = [int(v) for v in guarded if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.integer)]
+    assert 4 in iterations, iterations
+    return {"steps": 4, "values compared": int(sum(np.size(v) for v in plain))}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS, setup)
