@@ -71,7 +71,14 @@ def write(layer, ok, sums, tag, world, rank, backward):
     if entry is None:
         return None
     record = entry[2]
-    _traced.setdefault(tf.compat.v1.get_default_graph(), []).append(record)
+    # Known to the graph being traced and the ones it is nested in (a tf.function or a
+    # cond branch inside the step), where the optimizer may be applied.
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and graph.building_function:
+        records = _traced.setdefault(graph, [])
+        if not any(r is record for r in records):
+            records.append(record)
+        graph = graph.outer_graph
     old = tf.convert_to_tensor(record)
     details = tf.constant([float(backward), float(tag.index), float(world), float(-1 if rank is None else rank)],
                           tf.float64)
@@ -82,7 +89,8 @@ def write(layer, ok, sums, tag, world, rank, backward):
 
 def step_agrees():
     """A boolean tensor: no synchronized call traced so far in the current graph (this
-    step) has a disagreement on record. True where nothing was recorded."""
+    step, functions nested in it included) has a disagreement on record. True where
+    nothing was recorded."""
     import tensorflow as tf
 
     records = _traced.get(tf.compat.v1.get_default_graph(), [])
@@ -92,14 +100,20 @@ def step_agrees():
     return tf.reduce_all(tf.equal(tf.stack(counts), 0.0))
 
 
-def check_agreement():
+def check_agreement(model=None):
     """Raise :class:`~syncbn.layer_fingerprint.LayerMismatchError` if a synchronized
-    call of any ``SyncBatchNormalization`` in this process disagreed across the
-    replicas inside an XLA-compiled step (TensorFlow backend; nothing to check
-    elsewhere). Every worker reads the same verdicts, so every worker raises alike.
-    Call it after each compiled training step of a custom loop; ``fit`` does it with
-    :class:`MismatchCheck`. One small host read per layer."""
-    for layer, (name, channels, record) in list(_records.items()):
+    call of a ``SyncBatchNormalization`` disagreed across the replicas inside an
+    XLA-compiled step (TensorFlow backend; nothing to check elsewhere): of those in
+    ``model`` (a Keras model or layer: those whose moving mean is among its weights),
+    or of every one in this process (``model`` None). Every worker reads the same
+    verdicts, so every worker raises alike. Call it after each compiled training step
+    of a custom loop; ``fit`` does it with :class:`MismatchCheck`. One small host read
+    per layer."""
+    entries = list(_records.items())
+    if model is not None:
+        mine = {id(w) for w in model.weights}
+        entries = [(layer, entry) for layer, entry in entries if id(layer.moving_mean) in mine]
+    for _, (name, channels, record) in entries:
         values = record.numpy()
         if values[COUNT] == 0:
             continue
@@ -114,14 +128,14 @@ def check_agreement():
 
 
 class MismatchCheck(keras.callbacks.Callback):
-    """``fit`` callback: :func:`check_agreement` after every training batch, so that a
-    layer disagreement inside an XLA-compiled step (``jit_compile=True``) ends
-    training with :class:`~syncbn.layer_fingerprint.LayerMismatchError` on every
-    worker. Pair it with :class:`SkipMismatchedSteps` so that the step it reports
-    changed no weight."""
+    """``fit`` callback: :func:`check_agreement` on the model after every training
+    batch, so that a layer disagreement inside an XLA-compiled step
+    (``jit_compile=True``) ends training with
+    :class:`~syncbn.layer_fingerprint.LayerMismatchError` on every worker. Pair it with
+    :class:`SkipMismatchedSteps` so that the step it reports changed no weight."""
 
     def on_train_batch_end(self, batch, logs=None):
-        check_agreement()
+        check_agreement(self.model)
 
 
 @keras.saving.register_keras_serializable(package="syncbn", name="SkipMismatchedSteps")
@@ -141,6 +155,11 @@ class SkipMismatchedSteps(keras.optimizers.Optimizer):
     """
 
     def __init__(self, inner_optimizer, name=None):
+        if keras.backend.backend() != "tensorflow":
+            raise ValueError(
+                f"SkipMismatchedSteps is for the TensorFlow backend (steps compiled by XLA), got the "
+                f"{keras.backend.backend()} backend: there a layer disagreement raises at once (torch) or "
+                f"cannot happen (JAX: one program over the sharded batch); use the optimizer itself")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"SkipMismatchedSteps: inner_optimizer must be a keras.optimizers.Optimizer, got "
@@ -180,9 +199,6 @@ class SkipMismatchedSteps(keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
             self.built = True
-        if keras.backend.backend() != "tensorflow":
-            # Only TensorFlow's compiled steps fail silently; the other backends raise.
-            return self.inner_optimizer.apply(grads, trainable_variables)
         import tensorflow as tf
 
         agrees = step_agrees()
