@@ -27,6 +27,7 @@ GROUPS = [
     ["agree", "swapped_eager", "swapped", "skip_middle"],
     ["skip_last"],
     ["absent"],
+    ["swapped_xla"],
 ]
 
 
@@ -98,3 +99,13 @@ def test_absent_worker_times_out(outcomes):
     assert not waiting["ok"] and waiting["type"] == "DeadlineExceededError", waiting
     assert COLLECTIVE_TIMEOUT - 0.5 <= waiting["seconds"] < COLLECTIVE_TIMEOUT + 30, waiting
 
+
+
+def test_xla_step_fails_to_compile_on_both_workers(outcomes):
+    """jit_compile=True on CPU: TensorFlow cannot compile the RING collectives, so both
+    workers fail before any collective runs and nothing moves. (Where XLA can compile
+    them, on GPUs with NCCL or on TPUs, see keras_tf_checks.py's fingerprint_xla_step.)"""
+    for outcome in outcomes["swapped_xla"]:
+        assert not outcome["ok"] and outcome["type"] == "InvalidArgumentError", outcome
+        assert "Only compiling NCCL/auto collective is supported" in outcome["message"], outcome
+        assert outcome["moved"] == [False, False, False], outcome
