@@ -1208,5 +1208,34 @@ def fingerprint_guard_in_fit():
     return {"steps": 4, "values compared": int(sum(np.size(v) for v in plain))}
 
 
+@check
+def fingerprint_guard_saves():
+    """A model compiled with SkipMismatchedSteps saves and loads as a .keras file: the
+    wrapper and its inner optimizer come back, with the inner optimizer's state (the
+    wrapper's saved state is exactly the inner optimizer's)."""
+    import keras
+
+    from syncbn.keras import SkipMismatchedSteps, SyncBatchNormalization
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(SyncBatchNormalization()(inputs)))
+    model.compile(optimizer=SkipMismatchedSteps(keras.optimizers.Adam(0.01)), loss="mse")
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "guarded.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+    assert type(loaded.optimizer) is SkipMismatchedSteps, type(loaded.optimizer)
+    assert type(loaded.optimizer.inner_optimizer) is keras.optimizers.Adam
+    assert [v.path for v in model.optimizer.variables] == [v.path for v in model.optimizer.inner_optimizer.variables]
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        assert np.array_equal(a.numpy(), b.numpy()), a.path
+    assert int(loaded.optimizer.iterations.numpy()) == 2
+    return {"optimizer variables": len(model.optimizer.variables)}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS, setup)

@@ -70,7 +70,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     treats it as fully masked.) No step depends on a check of the count, so nothing
     is read back to the host for it and nothing is lost under XLA (``jit_compile=True``,
     ``jax.jit``). (The fingerprint's verdict is read on the host in eager execution
-    only; under XLA its assert is compiled away and a disagreeing call's sums are NaN.)
+    only; under XLA its assert is compiled away: a disagreeing call's sums are NaN, its
+    moving statistics stay as they were and its verdict is kept for
+    :class:`syncbn.keras.SkipMismatchedSteps` and :func:`syncbn.keras.check_agreement`;
+    see :mod:`syncbn.keras.mismatch`.)
 
     Higher-order gradients (the gradient of a gradient through a training call, e.g.
     a gradient penalty) raise ``RuntimeError`` wherever the backward is written by

@@ -35,7 +35,8 @@ a ``tf.debugging.Assert`` that the statistics depend on) on every replica, befor
 statistics are used. Under TensorFlow the call index counts the synchronized calls
 traced so far in the same graph by the same replica (so it is the call's place in the
 step); in eager execution it is 0 (name and width alone). Under XLA
-(``jit_compile=True``) the assert is compiled away; see the README.
+(``jit_compile=True``) the assert is compiled away: there the verdict gates the moving
+statistics and goes to the layer's record (:mod:`syncbn.keras.mismatch`).
 """
 
 from __future__ import annotations
