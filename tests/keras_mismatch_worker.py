@@ -3,7 +3,8 @@ replica per worker, torch blocked) in which worker 1 disagrees with worker 0 abo
 synchronized layers it calls. ``TF_CONFIG`` comes from the parent test.
 
 Both workers build the same three ``SyncBatchNormalization(4)`` layers (so the same
-names). Worker 0 calls them in order in one training step (forward and backward); worker
+names); in the ``*_guarded`` scenarios their weights are trained by
+``SkipMismatchedSteps(SGD)`` in the same step. Worker 0 calls them in order in one training step (forward and backward); worker
 1 does what the scenario says. The outcome (``ok``, or the exception's class and
 message) and the seconds it took go to ``<out>/<scenario>-<index>.json``.
 
@@ -25,6 +26,7 @@ from keras_harness import block_torch
 # scenario -> (order of the layers worker 1 calls, how the step runs)
 SCENARIOS = {
     "agree": ([0, 1, 2], "function"),
+    "agree_guarded": ([0, 1, 2], "function"),  # and the layers' weights trained by SkipMismatchedSteps
     "swapped": ([1, 0, 2], "function"),
     "swapped_eager": ([1, 0, 2], "eager"),
     "swapped_xla": ([1, 0, 2], "xla"),
@@ -38,14 +40,21 @@ SCENARIOS = {
 def run_scenario(tf, strategy, scenario, index, out, timeout):
     """One training step of three fresh layers as ``scenario`` says; the outcome to
     ``<out>/<scenario>-<index>.json``."""
-    from syncbn.keras import SyncBatchNormalization
+    import keras
+
+    from syncbn.keras import SkipMismatchedSteps, SyncBatchNormalization, check_agreement
 
     order, mode = SCENARIOS[scenario]
     order = order if index == 1 else [0, 1, 2]
+    guarded = scenario.endswith("_guarded")
     with strategy.scope():
         layers = [SyncBatchNormalization(momentum=0.5, name=f"bn{i}") for i in range(3)]
         for layer in layers:
             layer.build((None, 4))
+        weights = [w for layer in layers for w in layer.trainable_weights]
+        optimizer = SkipMismatchedSteps(keras.optimizers.SGD(0.1, momentum=0.9)) if guarded else None
+        if optimizer is not None:
+            optimizer.build(weights)
     before = [layer.get_weights()[2].copy() for layer in layers]
     if order is None and index == 1:
         time.sleep(timeout + 5)  # busy in its own code past the collectives' timeout
@@ -60,7 +69,11 @@ def run_scenario(tf, strategy, scenario, index, out, timeout):
             for i in order:
                 y = layers[i](y, training=True)
             loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, x)
+        if optimizer is None:
+            return tape.gradient(loss, x)
+        grads = tape.gradient(loss, [x] + weights)
+        optimizer.apply_gradients(zip(grads[1:], weights))
+        return grads[0]
 
     def step(x):
         return strategy.run(replica, args=(x,))
@@ -74,6 +87,10 @@ def run_scenario(tf, strategy, scenario, index, out, timeout):
         outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000]}
     outcome["seconds"] = round(time.monotonic() - start, 2)
     outcome["moved"] = [bool(np.any(layer.get_weights()[2] != b)) for layer, b in zip(layers, before)]
+    if guarded:
+        outcome["gamma"] = [layer.get_weights()[0].tolist() for layer in layers]
+        outcome["iterations"] = int(optimizer.iterations.numpy())
+        check_agreement()  # nothing on record after an agreeing step
     (out / f"{scenario}-{index}.json").write_text(json.dumps(outcome))
 
 

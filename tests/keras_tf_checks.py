@@ -1048,5 +1048,194 @@ def fingerprint_call_index():
     return {"traced": seen, "eager": eager}
 
 
+
+class PairedReplica(TwoReplicas):
+    """A replica context of 2 replicas in which the other replica sends the same values
+    as this one and, for its fingerprint, this one's (``other`` None: they agree) or
+    ``other``'s; the sums are what two such replicas would all-reduce."""
+
+    class strategy:  # tf_sum_dtype looks at the strategy's class name
+        pass
+
+    def all_reduce(self, op, value):
+        import tensorflow as tf
+
+        from syncbn import layer_fingerprint as lf
+
+        if self.other is None:
+            return value + value
+        size = int(value.shape[0]) - lf.SIZE
+        theirs = tf.concat([value[:size], tf.constant(lf.values(self.other), value.dtype)], 0)
+        return value + theirs
+
+
+def xla_run(other, optimizer, steps=1, nested=False):
+    """Steps of a Dense + SyncBatchNormalization model compiled by XLA, in the 2-replica
+    context of ``PairedReplica(other)`` (``nested``: the layers called in a
+    ``tf.function`` of their own inside the step); returns (losses, the state before,
+    after, the layer). The state is every weight, optimizer variable and moving
+    statistic."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization, replicas
+
+    rng = np.random.default_rng(7)
+    keras.utils.set_random_seed(7)
+    dense = keras.layers.Dense(3)
+    bn = SyncBatchNormalization(momentum=0.5)
+    dense.build((None, 4))
+    bn.build((None, 3))
+    optimizer.build(dense.trainable_variables + bn.trainable_variables)
+    x = tf.constant(rng.normal(2.0, 1.5, (6, 4)).astype(np.float32))
+    ctx = PairedReplica(other)
+
+    def forward(x):
+        return bn(dense(x), training=True)
+
+    forward = tf.function(forward) if nested else forward
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(forward(x) - 1.0))
+        weights = dense.trainable_variables + bn.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return loss
+
+    def state():
+        return [np.array(v.numpy()) for v in dense.weights + bn.weights + optimizer.variables]
+
+    original = replicas.tf_replica_context
+    replicas.tf_replica_context = lambda: ctx
+    try:
+        before = state()
+        losses = [float(step(x)) for _ in range(steps)]
+        return losses, before, state(), bn
+    finally:
+        replicas.tf_replica_context = original
+
+
+@check
+def fingerprint_xla_step():
+    """Under XLA (the assert compiled away) a disagreeing step, with the optimizer
+    wrapped in SkipMismatchedSteps, changes nothing: every weight, optimizer variable
+    (iterations, momentum) and moving statistic keeps its bits; its loss is NaN;
+    check_agreement() and the MismatchCheck callback then raise LayerMismatchError
+    naming both replicas' layers. An agreeing step trains as without the wrapper."""
+    import keras
+
+    from syncbn import layer_fingerprint as lf
+    from syncbn.keras import MismatchCheck, SkipMismatchedSteps, check_agreement
+
+    info = {}
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    losses, before, after, agreed = xla_run(None, SkipMismatchedSteps(sgd()), steps=2)
+    plain_losses, plain_before, plain_after, _ = xla_run(None, sgd(), steps=2)
+    assert np.all(np.isfinite(losses)) and losses == plain_losses, (losses, plain_losses)
+    for got, ref, start in zip(after, plain_after, before):
+        assert np.array_equal(got, ref), (got, ref)
+    assert sum(not np.array_equal(a, b) for a, b in zip(after, before)) >= 6, "the agreeing steps moved too little"
+    check_agreement(agreed)  # agreeing steps leave no verdict
+    info["agree, losses"] = losses
+
+    other = lf.Tag(lf.remember("some_other_layer", 3), 0)
+    names = []
+    for nested in (True, False):
+        losses, before, after, bn = xla_run(other, SkipMismatchedSteps(sgd()), nested=nested)
+        names.append(bn.name)
+        assert np.isnan(losses[0]), losses
+        changed = [i for i, (a, b) in enumerate(zip(after, before)) if not np.array_equal(a, b, equal_nan=False)]
+        assert not changed, f"state changed by a disagreeing XLA step (nested={nested}): {changed}"
+    callback = MismatchCheck()
+    callback.set_model(bn)
+    for raise_it in (lambda: check_agreement(bn), lambda: callback.on_train_batch_end(0), check_agreement):
+        try:
+            raise_it()
+            raise AssertionError("no LayerMismatchError after a disagreeing XLA step")
+        except lf.LayerMismatchError as err:
+            message = str(err)
+    assert "(forward)" in message and "(2 disagreeing call(s)" in message, message
+    assert any(f"replica 0 called layer '{name}' (3 channels), call 0" in message for name in names), message
+    assert "replica 1 called layer 'some_other_layer' (3 channels), call 0" in message, message
+    info["disagree, message"] = message
+    check_agreement(agreed)  # the verdicts of other layers are not this one's
+
+    # Without the wrapper the moving statistics still keep their bits; the weights do not.
+    losses, before, after, bn = xla_run(other, sgd())
+    moving = [i for i, w in enumerate(bn.weights) if not w.trainable]
+    offset = 2  # the Dense kernel and bias come first
+    assert all(np.array_equal(after[offset + i], before[offset + i]) for i in moving), "moving statistics moved"
+    assert np.all(np.isnan(after[0])), "the NaN gradients no longer reach a plain optimizer: update the README"
+    info["no wrapper"] = "moving statistics unchanged, weights NaN"
+    return info
+
+
+@check
+def fingerprint_guard_in_fit():
+    """SkipMismatchedSteps and MismatchCheck in model.fit under MirroredStrategy(2)
+    (whose optimizer merges in a cross-replica call): the weights and optimizer state
+    after agreeing steps are bit for bit those of the plain optimizer, and every
+    layer's record holds no disagreement."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import MismatchCheck, SkipMismatchedSteps, check_agreement, convert
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((32, 8, 8, 3)) + [3.0, -1.0, 5.0]).astype(np.float32)
+    y = rng.integers(0, 3, 32)
+    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+
+    def train(guard):
+        with mirrored(2).scope():
+            model = small_convnet(keras.layers.BatchNormalization)
+            model.set_weights(initial)
+            model = convert(model)
+            optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+            model.compile(optimizer=SkipMismatchedSteps(optimizer) if guard else optimizer,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[MismatchCheck()] if guard else [])
+        return model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+
+    guarded, plain = train(True), train(False)
+    assert len(guarded) == len(plain)
+    for a, b in zip(guarded, plain):
+        assert np.array_equal(a, b), nan_safe.max_abs_diff(a, b)
+    iterations = [int(v) for v in guarded if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.integer)]
+    assert 4 in iterations, iterations
+    return {"steps": 4, "values compared": int(sum(np.size(v) for v in plain))}
+
+
+@check
+def fingerprint_guard_saves():
+    """A model compiled with SkipMismatchedSteps saves and loads as a .keras file: the
+    wrapper and its inner optimizer come back, with the inner optimizer's state (the
+    wrapper's saved state is exactly the inner optimizer's)."""
+    import keras
+
+    from syncbn.keras import SkipMismatchedSteps, SyncBatchNormalization
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(SyncBatchNormalization()(inputs)))
+    model.compile(optimizer=SkipMismatchedSteps(keras.optimizers.Adam(0.01)), loss="mse")
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "guarded.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+    assert type(loaded.optimizer) is SkipMismatchedSteps, type(loaded.optimizer)
+    assert type(loaded.optimizer.inner_optimizer) is keras.optimizers.Adam
+    assert [v.path for v in model.optimizer.variables] == [v.path for v in model.optimizer.inner_optimizer.variables]
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        assert np.array_equal(a.numpy(), b.numpy()), a.path
+    assert int(loaded.optimizer.iterations.numpy()) == 2
+    return {"optimizer variables": len(model.optimizer.variables)}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS, setup)

@@ -24,9 +24,10 @@ COLLECTIVE_TIMEOUT = 4  # CommunicationOptions(timeout_seconds=...) in the worke
 # a failed assert the next step may not match up either, so each group ends with the
 # scenario that fails that way.
 GROUPS = [
-    ["agree", "swapped_eager", "swapped", "skip_middle"],
+    ["agree", "agree_guarded", "swapped_eager", "swapped", "skip_middle"],
     ["skip_last"],
     ["absent"],
+    ["swapped_xla"],
 ]
 
 
@@ -53,6 +54,20 @@ def outcomes():
 def test_agreeing_workers_train(outcomes):
     for outcome in outcomes["agree"]:
         assert outcome["ok"] and outcome["finite"] and all(outcome["moved"]), outcome
+
+
+def test_guarded_optimizer_trains_agreeing_workers(outcomes):
+    """SkipMismatchedSteps under MultiWorkerMirroredStrategy (on CPU its updates merge
+    in a cross-replica call, so the tf.cond on the step's verdict is taken there, around
+    the inner optimizer): an agreeing step applies it once, alike on both workers."""
+    first, second = outcomes["agree_guarded"]
+    for outcome in (first, second):
+        assert outcome["ok"] and outcome["finite"] and all(outcome["moved"]), outcome
+        assert outcome["iterations"] == 1, outcome
+        # gamma starts at 1; the loss (sum of the last layer's output squared) moves the
+        # last layer's gamma by 0.1 * 2 * (elements) per channel, the others' barely.
+        assert all(abs(g - 1.0) > 0.1 for g in outcome["gamma"][2]), outcome
+    assert first["gamma"] == second["gamma"], (first, second)
 
 
 def test_swapped_layers_raise_on_both_workers_eager(outcomes):
@@ -98,3 +113,13 @@ def test_absent_worker_times_out(outcomes):
     assert not waiting["ok"] and waiting["type"] == "DeadlineExceededError", waiting
     assert COLLECTIVE_TIMEOUT - 0.5 <= waiting["seconds"] < COLLECTIVE_TIMEOUT + 30, waiting
 
+
+
+def test_xla_step_fails_to_compile_on_both_workers(outcomes):
+    """jit_compile=True on CPU: TensorFlow cannot compile the RING collectives, so both
+    workers fail before any collective runs and nothing moves. (Where XLA can compile
+    them, on GPUs with NCCL or on TPUs, see keras_tf_checks.py's fingerprint_xla_step.)"""
+    for outcome in outcomes["swapped_xla"]:
+        assert not outcome["ok"] and outcome["type"] == "InvalidArgumentError", outcome
+        assert "Only compiling NCCL/auto collective is supported" in outcome["message"], outcome
+        assert outcome["moved"] == [False, False, False], outcome

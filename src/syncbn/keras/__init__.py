@@ -5,16 +5,21 @@ backends.
   statistics span every replica's batch, exact for uneven and empty replicas and for
   masks, numerically stable far from zero, one collective per layer call each way.
 - :func:`convert`: a copy of a model with every BatchNormalization synchronized.
+- :class:`SkipMismatchedSteps`, :class:`MismatchCheck`, :func:`check_agreement`: for
+  TensorFlow steps compiled by XLA, where a layer disagreement across replicas cannot
+  raise inside the step (see ``mismatch``).
 
 Importing this package imports Keras (and so its backend) but never torch unless the
 Keras backend is torch.
 
 Modules, one concern each: ``moments`` (local statistics, pack and merge),
 ``replicas`` (which replicas to synchronize with and the collectives, per backend),
-``layer`` (the layer), ``convert`` (model conversion).
+``layer`` (the layer), ``mismatch`` (the verdicts XLA cannot raise, and what acts on
+them), ``convert`` (model conversion).
 """
 
 from .convert import convert
 from .layer import SyncBatchNormalization
+from .mismatch import MismatchCheck, SkipMismatchedSteps, check_agreement
 
-__all__ = ["SyncBatchNormalization", "convert"]
+__all__ = ["MismatchCheck", "SkipMismatchedSteps", "SyncBatchNormalization", "check_agreement", "convert"]

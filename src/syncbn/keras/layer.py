@@ -8,7 +8,7 @@ from keras import ops
 
 from syncbn import layer_fingerprint
 
-from . import moments, replicas
+from . import mismatch, moments, replicas
 
 __all__ = ["SyncBatchNormalization"]
 
@@ -70,7 +70,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     treats it as fully masked.) No step depends on a check of the count, so nothing
     is read back to the host for it and nothing is lost under XLA (``jit_compile=True``,
     ``jax.jit``). (The fingerprint's verdict is read on the host in eager execution
-    only; under XLA its assert is compiled away and a disagreeing call's sums are NaN.)
+    only; under XLA its assert is compiled away: a disagreeing call's sums are NaN, its
+    moving statistics stay as they were and its verdict is kept for
+    :class:`syncbn.keras.SkipMismatchedSteps` and :func:`syncbn.keras.check_agreement`;
+    see :mod:`syncbn.keras.mismatch`.)
 
     Higher-order gradients (the gradient of a gradient through a training call, e.g.
     a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
@@ -168,6 +171,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         super().build(input_shape)
         # Known by name to this process's disagreement messages, whether called or not.
         layer_fingerprint.remember(self.name, int(input_shape[self.axis]))
+        if keras.backend.backend() == "tensorflow":
+            # Where XLA drops the check's assert, the verdict goes here (see mismatch).
+            mismatch.create(self, input_shape[self.axis])
 
     def get_config(self):
         config = super().get_config()
@@ -205,15 +211,15 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             ctx = replicas.tf_replica_context() if keras.backend.backend() == "tensorflow" else None
             if ctx is not None:
                 shift = ops.stop_gradient(ops.cast(self.moving_mean, dtype))
-                y, mean, var = replicas.tf_sync_train(
-                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon, name=self.name)
-                self._update_moving_statistics(mean, var)
+                y, mean, var, ok = replicas.tf_sync_train(
+                    x, self.axis, mask, shift, ctx, gamma, beta, self.epsilon, name=self.name, layer=self)
+                self._update_moving_statistics(mean, var, ok)
                 return ops.cast(y, self.compute_dtype)
-        mean, var = self._batch_statistics(x, mask)
+        mean, var, ok = self._batch_statistics(x, mask)
         if self.renorm:
-            gamma, beta = self._renorm_transform(mean, var, gamma, beta, dtype)
+            gamma, beta = self._renorm_transform(mean, var, gamma, beta, dtype, ok)
         else:
-            self._update_moving_statistics(mean, var)
+            self._update_moving_statistics(mean, var, ok)
         return ops.cast(self._normalize(x, mean, var, gamma, beta), self.compute_dtype)
 
     def _check_call_input(self, inputs, mask):
@@ -299,25 +305,29 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         return normalize(x, mean, inv, n, gamma, beta)
 
     def _batch_statistics(self, x, mask):
-        """Per-channel ``(mean, biased var)`` of this training batch, over every replica
-        where a distribution is active; one all-reduce each way when it needs one.
-        ``mask`` is :func:`moments.element_mask`'s. Channels that count no element get
-        ``(0, 0)`` and one element ``(x, 0)``, as in Keras's layer."""
+        """Per-channel ``(mean, biased var, ok)`` of this training batch, over every
+        replica where a distribution is active; one all-reduce each way when it needs
+        one. ``mask`` is :func:`moments.element_mask`'s. Channels that count no element
+        get ``(0, 0)`` and one element ``(x, 0)``, as in Keras's layer. ``ok`` is the
+        replicas' agreement on this call (TensorFlow strategies; else None), on which
+        the moving statistics' update is gated."""
         # The moving mean is the same on every replica: the shift for the packed sums.
         backend = keras.backend.backend()
         if backend == "tensorflow":
             ctx = replicas.tf_replica_context()
             if ctx is not None:
                 shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
-                _, mean, var = replicas.tf_sync_moments(x, self.axis, mask, shift, ctx, name=self.name)
-                return mean, var
+                _, mean, var, ok = replicas.tf_sync_moments(
+                    x, self.axis, mask, shift, ctx, name=self.name, layer=self)
+                return mean, var, ok
         elif backend == "torch" and replicas.torch_world_size() > 1:
             shift = ops.stop_gradient(ops.cast(self.moving_mean, x.dtype))
             _, mean, var = replicas.torch_sync_moments(x, self.axis, mask, shift, name=self.name)
-            return mean, var
+            return mean, var, None  # the torch check raises before this returns
         # One replica, or a backend that presents the whole batch as one array (JAX):
         # the local statistics are the global ones.
-        return moments.batch_moments(x, self.axis, mask)
+        mean, var = moments.batch_moments(x, self.axis, mask)
+        return mean, var, None
 
     def _normalize(self, x, mean, var, gamma, beta):
         """``(x - mean) * (gamma / sqrt(var + eps)) + beta``, subtracting the mean first
@@ -332,14 +342,14 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             y = y + ops.reshape(beta, shape)
         return y
 
-    def _update_moving_statistics(self, mean, var):
+    def _update_moving_statistics(self, mean, var, ok=None):
         m = self.momentum
         moving_mean = ops.cast(self.moving_mean, mean.dtype)
         moving_var = ops.cast(self.moving_variance, var.dtype)
-        self.moving_mean.assign(moving_mean * m + mean * (1.0 - m))
-        self.moving_variance.assign(moving_var * m + var * (1.0 - m))
+        _assign_if(self.moving_mean, moving_mean * m + mean * (1.0 - m), moving_mean, ok)
+        _assign_if(self.moving_variance, moving_var * m + var * (1.0 - m), moving_var, ok)
 
-    def _renorm_transform(self, mean, var, gamma, beta, dtype):
+    def _renorm_transform(self, mean, var, gamma, beta, dtype, ok=None):
         """Batch renormalization (Ioffe 2017) on the synchronized statistics, with Keras's
         conventions: returns the effective ``(gamma, beta)`` and updates the moving and
         renorm statistics.
@@ -366,18 +376,28 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         d = ops.stop_gradient(d)
 
         rm, m = self.renorm_momentum, self.momentum
-        self.renorm_mean.assign(renorm_mean * rm + mean * (1.0 - rm))
-        self.renorm_stddev.assign(renorm_std * rm + std * (1.0 - rm))
-        self.moving_mean.assign(ops.cast(self.moving_mean, dtype) * m + mean * (1.0 - m))
-        moving_std = ops.cast(self.moving_stddev, dtype) * m + std * (1.0 - m)
-        self.moving_stddev.assign(moving_std)
-        self.moving_variance.assign(ops.relu(moving_std * moving_std - self.epsilon))
+        moving_mean = ops.cast(self.moving_mean, dtype)
+        moving_std = ops.cast(self.moving_stddev, dtype)
+        moving_var = ops.cast(self.moving_variance, dtype)
+        _assign_if(self.renorm_mean, renorm_mean * rm + mean * (1.0 - rm), renorm_mean, ok)
+        _assign_if(self.renorm_stddev, renorm_std * rm + std * (1.0 - rm), renorm_std, ok)
+        _assign_if(self.moving_mean, moving_mean * m + mean * (1.0 - m), moving_mean, ok)
+        new_std = moving_std * m + std * (1.0 - m)
+        _assign_if(self.moving_stddev, new_std, moving_std, ok)
+        _assign_if(self.moving_variance, ops.relu(new_std * new_std - self.epsilon), moving_var, ok)
 
         new_gamma = r if gamma is None else r * gamma
         new_beta = d if gamma is None else d * gamma
         if beta is not None:
             new_beta = new_beta + beta
         return new_gamma, new_beta
+
+
+def _assign_if(variable, new, old, ok):
+    """``variable.assign(new)``, or, with a verdict ``ok`` (a boolean tensor), of ``new``
+    where it holds and of ``old`` (the variable's value, cast as ``new``: exact back)
+    where it does not: a selection, so a NaN in ``new`` never leaks through."""
+    variable.assign(new if ok is None else ops.where(ok, new, old))
 
 
 # Keras addresses a layer's weights in a ``.weights.h5`` file by its class name

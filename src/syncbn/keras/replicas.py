@@ -35,7 +35,8 @@ a ``tf.debugging.Assert`` that the statistics depend on) on every replica, befor
 statistics are used. Under TensorFlow the call index counts the synchronized calls
 traced so far in the same graph by the same replica (so it is the call's place in the
 step); in eager execution it is 0 (name and width alone). Under XLA
-(``jit_compile=True``) the assert is compiled away; see the README.
+(``jit_compile=True``) the assert is compiled away: there the verdict gates the moving
+statistics and goes to the layer's record (:mod:`syncbn.keras.mismatch`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from keras import ops
 
 from syncbn import layer_fingerprint as lf
 
-from . import moments
+from . import mismatch, moments
 
 __all__ = [
     "first_order_only",
@@ -157,12 +158,15 @@ def _tf_replica_rank(ctx):
     return replica if isinstance(replica, int) else None
 
 
-def tf_checked_all_reduce(ctx, tag, backward):
+def tf_checked_all_reduce(ctx, tag, backward, layer=None):
     """A function summing a 1-D tensor over the replicas of ``ctx`` in one all-reduce
     that also carries ``tag``'s fingerprint, and failing on every replica alike when
     the replicas sent different tags: eagerly with
     :class:`~syncbn.layer_fingerprint.LayerMismatchError`, in a graph through a
-    ``tf.debugging.Assert`` that the returned sum depends on."""
+    ``tf.debugging.Assert`` that the returned sum depends on. After a call, its ``ok``
+    attribute is the verdict (a boolean tensor, the same on every replica). In a graph
+    the verdict also goes to ``layer``'s record (:mod:`syncbn.keras.mismatch`), for
+    XLA, which compiles the assert away."""
     import tensorflow as tf
 
     world = ctx.num_replicas_in_sync
@@ -176,7 +180,7 @@ def tf_checked_all_reduce(ctx, tag, backward):
         summed, sums = total[:size], total[size:]
         exact = tf.cast(tf.round(sums), tf.int64)  # integers below world * 225
         t, q = exact[: lf.DIGITS], exact[lf.DIGITS :]
-        ok = tf.reduce_all(tf.equal(t * t, q * world))
+        ok = all_reduce.ok = tf.reduce_all(tf.equal(t * t, q * world))
         rank = _tf_replica_rank(ctx)
         if tf.executing_eagerly():
             if not bool(ok):
@@ -186,16 +190,18 @@ def tf_checked_all_reduce(ctx, tag, backward):
             return summed
         message = lf.mismatch_message(tag, None, world, None, backward, who="replica",
                                       group="the replicas", what="layer", features="channels")
-        check = tf.debugging.Assert(ok, ["LayerMismatchError: " + message, "summed fingerprint:", sums],
-                                    summarize=lf.SIZE)
-        with tf.control_dependencies([check]):
+        checks = [tf.debugging.Assert(ok, ["LayerMismatchError: " + message, "summed fingerprint:", sums],
+                                      summarize=lf.SIZE)]
+        if layer is not None:
+            checks.append(mismatch.write(layer, ok, sums, tag, world, rank, backward))
+        with tf.control_dependencies([c for c in checks if c is not None]):
             # XLA compiles the assert away: there the sums of a disagreeing call become
-            # NaN (a loud loss, never plausible mixed statistics); elsewhere the assert
-            # has already failed and the NaN is never seen.
+            # NaN (a loud loss, never plausible mixed statistics) and the verdict is
+            # on record; elsewhere the assert has already failed.
             return tf.where(ok, summed, tf.constant(float("nan"), summed.dtype))
 
+    all_reduce.ok = None
     return all_reduce
-
 
 
 def tf_replica_context():
@@ -216,42 +222,47 @@ def tf_sum_dtype(ctx):
     return "float32" if "TPU" in type(strategy).__name__ else "float64"
 
 
-def tf_sync_moments(x, axis, mask, shift, ctx, name="SyncBatchNormalization"):
-    """Global ``(count, mean, biased var)`` over every replica of ``ctx``, with one
+def tf_sync_moments(x, axis, mask, shift, ctx, name="SyncBatchNormalization", layer=None):
+    """Global ``(count, mean, biased var, ok)`` over every replica of ``ctx``, with one
     all-reduce in forward and one in backward; ``count`` (elements per channel, in the
-    summing dtype) has no gradient. ``name`` identifies the layer in the fingerprint."""
+    summing dtype) has no gradient; ``ok`` is the forward's fingerprint verdict (for
+    updates that must not happen when it is False). ``name`` identifies the layer in
+    the fingerprint; ``layer`` (optional) holds the verdict record."""
     import tensorflow as tf
 
     dtype = tf_sum_dtype(ctx)
     tag = tf_tag(name, shift.shape[0], ctx)
+    forward = tf_checked_all_reduce(ctx, tag, False, layer)
 
     @tf.custom_gradient
     def sync_moments(x):
-        count, mean, var = _forward(x, axis, mask, shift, dtype, tf_checked_all_reduce(ctx, tag, False))
+        count, mean, var = _forward(x, axis, mask, shift, dtype, forward)
 
         def grad(g_count, g_mean, g_var):
             del g_count  # a count has no gradient
             g_mean = tf.zeros_like(mean) if g_mean is None else g_mean
             g_var = tf.zeros_like(var) if g_var is None else g_var
-            summed = tf_checked_all_reduce(ctx, tag, True)(tf.concat([g_mean, g_var], axis=0))
+            summed = tf_checked_all_reduce(ctx, tag, True, layer)(tf.concat([g_mean, g_var], axis=0))
             channels = mean.shape[0]
             dx = _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
             return first_order_only((dx,))[0]
 
         return (count, mean, var), grad
 
-    return sync_moments(x)
+    count, mean, var = sync_moments(x)
+    return count, mean, var, forward.ok
 
 
-def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBatchNormalization"):
-    """A training call's ``(output, mean, biased var)`` with statistics over every
+def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBatchNormalization", layer=None):
+    """A training call's ``(output, mean, biased var, ok)`` with statistics over every
     replica of ``ctx``: one all-reduce in forward (the moments, as in
     :func:`tf_sync_moments`) and one of ``2C`` values in backward (``sum dy`` and
     ``sum dy * xhat``), the input gradient in closed form
     (:func:`syncbn.keras.moments.input_grad`). ``gamma`` / ``beta`` (None: absent)
     get this replica's own sums as gradients, which the strategy aggregates; ``mean``
-    and ``var`` are for the moving averages and carry no gradient. ``name`` identifies
-    the layer in the fingerprint."""
+    and ``var`` are for the moving averages and carry no gradient; ``ok`` is the
+    forward's fingerprint verdict, which gates them. ``name`` identifies the layer in
+    the fingerprint; ``layer`` (optional) holds the verdict record."""
     import tensorflow as tf
 
     dtype = tf_sum_dtype(ctx)
@@ -263,10 +274,11 @@ def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBat
     gamma = tf.ones((channels,), x.dtype) if gamma is None else gamma
     beta = tf.zeros((channels,), x.dtype) if beta is None else beta
     tag = tf_tag(name, channels, ctx)
+    forward = tf_checked_all_reduce(ctx, tag, False, layer)
 
     @tf.custom_gradient
     def train(x, gamma, beta):
-        count, mean, var = _forward(x, axis, mask, shift, dtype, tf_checked_all_reduce(ctx, tag, False))
+        count, mean, var = _forward(x, axis, mask, shift, dtype, forward)
         n = tf.reshape(tf.cast(count, x.dtype), moments.count_shape(ndim, axis))
         inv = tf.math.rsqrt(tf.reshape(var, shape) + epsilon)
         xhat = (x - tf.reshape(mean, shape)) * inv
@@ -275,14 +287,15 @@ def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBat
         def grad(dy, *unused):
             s1 = tf.reduce_sum(dy, axis=axes)
             s2 = tf.reduce_sum(dy * xhat, axis=axes)
-            summed = tf_checked_all_reduce(ctx, tag, True)(tf.concat([s1, s2], axis=0))
+            summed = tf_checked_all_reduce(ctx, tag, True, layer)(tf.concat([s1, s2], axis=0))
             dx = moments.input_grad(dy, xhat, tf.reshape(gamma, shape) * inv, n, weights,
                                     tf.reshape(summed[:channels], shape), tf.reshape(summed[channels:], shape))
             return first_order_only((dx, s2, s1))
 
         return (y, tf.stop_gradient(mean), tf.stop_gradient(var)), grad
 
-    return train(x, gamma, beta)
+    y, mean, var = train(x, gamma, beta)
+    return y, mean, var, forward.ok
 
 
 # --------------------------------------------------------------------------- PyTorch
