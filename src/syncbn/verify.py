@@ -12,22 +12,26 @@ processes trains exactly like one process on the concatenated batch.
    ``(N, C, H, W)``, with the loss ``mean(output * g)`` for a fixed random ``g`` (a mean,
    so that a step's size does not grow with the output's size: with a sum, a segmentation
    model's steps were so large that three of them made training chaotic in float32).
-3. One process runs the unconverted model from the same start on the concatenation of
-   the W batches, with the mean of the W losses.
-4. A table per BatchNorm layer shows the largest difference of its outputs over all
-   steps and of its running statistics after the last step, each on its natural scale
+3. For every step, one process runs the unconverted model on the concatenation of the
+   W batches, with the mean of the W losses, from the same state: the initial one, then
+   rank 0's state after the step before. Each step is checked on its own: compared over a
+   whole trajectory, float32 rounding grows from step to step until it reaches a ReLU kink
+   (an input within rounding of zero), where results jump instead of moving smoothly
+   with rounding, and no allowance measured by rerunning can bound a jump.
+4. A table per BatchNorm layer shows the largest difference of its outputs and of its
+   running statistics over the steps, each on its natural scale
    (outputs against the layer's largest output, a running mean against the channel's
    standard deviation, a running variance against itself plus eps), whether the ranks'
-   buffers agree, and how often it ran per step; one line shows the parameters after the
-   last step (a BatchNorm bias against the layer's weight, any other tensor against its
+   buffers agree, and how often it ran per step; one line shows the parameters after each
+   step (a BatchNorm bias against the layer's weight, any other tensor against its
    largest value).
-5. What counts as equal comes from the model's own conditioning: the one-process run is
-   repeated twice with inputs a few ulp away, and in float32 also in float64; how far those
+5. What counts as equal comes from the model's own conditioning: each step's one-process
+   run is repeated twice with inputs a few ulp away, and in float32 also in float64; how far those
    move each quantity is what rounding alone does to it. A quantity passes when
    syncbn's difference is at most 10 times that spread, plus ``--tolerance`` (default
    100 ulp of the dtype) on its natural scale. The "limit" column is the worst ratio of
    difference to allowance (PASS needs every ratio <= 1).
-6. The one-process run is also repeated on the very same data with another random seed:
+6. Each step's one-process run is also repeated on the very same data with another random seed:
    if the two disagree, the model is random in training (dropout, drop-path, ...), no
    comparison can mean anything, and verify FAILs saying so.
 
