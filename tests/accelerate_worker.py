@@ -2,7 +2,7 @@
 
 Launched with 2 processes on the CPU (``python -m torch.distributed.run --standalone
 --nproc-per-node 2 tests/accelerate_worker.py OUT_DIR``, or ``accelerate launch``);
-``accelerate.Accelerator()`` then runs as MULTI_CPU over gloo. Each process saves its
+``accelerate.Accelerator(cpu=True)`` then runs as MULTI_CPU over gloo. Each process saves its
 model's state after training, and the distributed type accelerate chose, to
 ``OUT_DIR/rank{R}.pt``. The model, data and steps are :func:`build_model` and
 :func:`dataset`, which the test reuses for its one-process reference.
@@ -11,18 +11,17 @@ model's state after training, and the distributed type accelerate chose, to
 import sys
 
 import torch
-import torch.nn as nn
 
 BATCH, STEPS, WORLD, LR = 2, 2, 2, 0.1  # BATCH rows per process and step
 
 
 def build_model():
+    """tests/verify_models.py's small ResNet (BatchNorm2d layers and a BatchNorm1d head with
+    momentum=None), seeded, in float64."""
+    from verify_models import TinyResNet
+
     torch.manual_seed(5)
-    return nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
-        nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=None), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4),
-    ).double()
+    return TinyResNet(classes=4).double()
 
 
 def dataset():

@@ -41,6 +41,6 @@ def test_accelerate_multi_cpu_equals_one_big_batch(tmp_path):
         opt.step()
     for key, ref in model.state_dict().items():
         for r in results:
-            # float64, 2 steps of a 9-layer net: a few ulp of summation order, amplified by
-            # at most the 1/std factors of its 2 BN layers; NaN/inf fail assert_close
+            # float64, 2 steps of a 6-BN-layer net: a few ulp of summation order, amplified
+            # by the 1/std factors of the BN layers; NaN/inf fail assert_close
             torch.testing.assert_close(r["state"][key], ref, rtol=1e-10, atol=1e-12, msg=key)
