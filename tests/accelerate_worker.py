@@ -1,7 +1,7 @@
 """The README's accelerate recipe as a training script (tests/test_accelerate.py).
 
 Launched with 2 processes on the CPU (``python -m torch.distributed.run --standalone
---nproc-per-node 2 tests/accelerate_worker.py OUT_DIR``, or ``accelerate launch``);
+--nproc-per-node 2 tests/accelerate_worker.py OUT_DIR``);
 ``accelerate.Accelerator(cpu=True)`` then runs as MULTI_CPU over gloo. Each process saves its
 model's state after training, and the distributed type accelerate chose, to
 ``OUT_DIR/rank{R}.pt``. The model, data and steps are :func:`build_model` and
