@@ -618,10 +618,10 @@ def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str]
     weak = params[3] if len(params) > 3 else []
     if weak and not random:
         lines.append(
-            f"note: at this input shape and step count, rounding alone moves {len(weak)} parameter tensor(s) "
+            f"note: at this input shape, rounding alone moves {len(weak)} parameter tensor(s) "
             f"by more than 1% (e.g. {weak[0]}): the model is that ill-conditioned here (small batches per "
-            "BatchNorm channel, many steps), so only larger differences can be told apart; for a sharper "
-            "check use float64, larger inputs or fewer steps"
+            "BatchNorm channel), so only larger differences can be told apart; for a sharper "
+            "check use float64 or larger inputs"
         )
     lines.append("")
     if random:
