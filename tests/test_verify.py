@@ -49,7 +49,7 @@ def test_resnet_passes(runs):
     assert "PASS" in out
     for layer in ("stem.1", "layer1.bn1", "layer1.bn2", "layer2.down.1", "head_bn"):
         assert f"\n{layer} " in out, layer
-    assert "parameters after step 2" in out
+    assert "parameters after each step" in out
 
 
 def test_rank_dependent_skip_fails_naming_the_layer(runs):
@@ -122,6 +122,9 @@ def _verify(pool, target, dtype, shape=(1, 3, 32, 32), steps=2):
     "name,dtype",
     [
         ("lraspp_mobilenet_v3_large", "float64"),  # running means and biases that are exactly 0
+        # float32: across steps, rounding reached a ReLU kink in layer4 (4 values per channel)
+        # and flipped it in syncbn's run only; each step from the same state keeps it a step's rounding
+        ("resnet18", "float32"),
         ("timm_mobilenetv3_small_100", "float64"),
     ],
 )

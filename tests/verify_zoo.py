@@ -75,6 +75,24 @@ def smp_unet_timm_efficientnet_b0():
     return smp.Unet("tu-efficientnet_b0", encoder_weights=None, classes=2, encoder_depth=5, drop_path_rate=0.0)
 
 
+def smp_unet_timm_efficientnet_b0_encoder():
+    """smp's "timm-efficientnet-b0" encoder (timm's blocks, timm's BatchNormAct2d), with its
+    drop-path (on by default) off."""
+    import segmentation_models_pytorch as smp
+
+    model = smp.Unet("timm-efficientnet-b0", encoder_weights=None, classes=2)
+    for m in model.modules():
+        if type(m).__name__ == "DropPath":
+            m.drop_prob = 0.0
+    return model
+
+
+def timm_regnetx_002():
+    import timm
+
+    return timm.create_model("regnetx_002", num_classes=4, drop_rate=0.0, drop_path_rate=0.0)
+
+
 def timm_efficientnet_b0():
     import timm
 

@@ -12,22 +12,26 @@ processes trains exactly like one process on the concatenated batch.
    ``(N, C, H, W)``, with the loss ``mean(output * g)`` for a fixed random ``g`` (a mean,
    so that a step's size does not grow with the output's size: with a sum, a segmentation
    model's steps were so large that three of them made training chaotic in float32).
-3. One process runs the unconverted model from the same start on the concatenation of
-   the W batches, with the mean of the W losses.
-4. A table per BatchNorm layer shows the largest difference of its outputs over all
-   steps and of its running statistics after the last step, each on its natural scale
+3. For every step, one process runs the unconverted model on the concatenation of the
+   W batches, with the mean of the W losses, from the same state: the initial one, then
+   rank 0's state after the step before. Each step is checked on its own: compared over a
+   whole trajectory, float32 rounding grows from step to step until it reaches a ReLU kink
+   (an input within rounding of zero), where results jump instead of moving smoothly
+   with rounding, and no allowance measured by rerunning can bound a jump.
+4. A table per BatchNorm layer shows the largest difference of its outputs and of its
+   running statistics over the steps, each on its natural scale
    (outputs against the layer's largest output, a running mean against the channel's
    standard deviation, a running variance against itself plus eps), whether the ranks'
-   buffers agree, and how often it ran per step; one line shows the parameters after the
-   last step (a BatchNorm bias against the layer's weight, any other tensor against its
+   buffers agree, and how often it ran per step; one line shows the parameters after each
+   step (a BatchNorm bias against the layer's weight, any other tensor against its
    largest value).
-5. What counts as equal comes from the model's own conditioning: the one-process run is
-   repeated twice with inputs a few ulp away, and in float32 also in float64; how far those
+5. What counts as equal comes from the model's own conditioning: each step's one-process
+   run is repeated twice with inputs a few ulp away, and in float32 also in float64; how far those
    move each quantity is what rounding alone does to it. A quantity passes when
    syncbn's difference is at most 10 times that spread, plus ``--tolerance`` (default
    100 ulp of the dtype) on its natural scale. The "limit" column is the worst ratio of
    difference to allowance (PASS needs every ratio <= 1).
-6. The one-process run is also repeated on the very same data with another random seed:
+6. Each step's one-process run is also repeated on the very same data with another random seed:
    if the two disagree, the model is random in training (dropout, drop-path, ...), no
    comparison can mean anything, and verify FAILs saying so.
 
@@ -286,6 +290,7 @@ def _rank_job(spec: VerifySpec) -> dict:
     recorder = _Recorder(layers)
     order = _OrderCheck(layers, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    after = []
     for step in range(spec.steps):
         recorder.new_step()
         order.new_step(step)
@@ -307,69 +312,80 @@ def _rank_job(spec: VerifySpec) -> dict:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         opt.step()
+        # every rank's buffers after every step; the parameters (equal on every rank after
+        # the average) from rank 0 at every step, the start of the reference's next step,
+        # and from every rank after the last one
+        last = step == spec.steps - 1
+        after.append(_state(model, params=rank == 0 or last))
+    return {"initial": initial, "outputs": recorder.outputs, "after": after, "notes": notes}
+
+
+def _state(model, params: bool = True) -> dict:
+    names = dict(model.named_parameters())
     return {
-        "initial": initial,
-        "outputs": recorder.outputs,
-        "buffers": {k: v.detach().clone() for k, v in model.state_dict().items() if k not in dict(model.named_parameters())},
-        "params": {k: p.detach().clone() for k, p in model.named_parameters()},
-        "notes": notes,
+        "buffers": {k: v.detach().clone() for k, v in model.state_dict().items() if k not in names},
+        "params": {k: p.detach().clone() for k, p in names.items()} if params else None,
     }
 
 
 # ---- the one-process reference ------------------------------------------------------------
 
 
-def _reference(spec: VerifySpec, initial: dict, nudge: int = 0, seed: int = 0, dtype: Optional[str] = None) -> dict:
-    """One process on the concatenated batch. ``nudge``: inputs a few ulp away (see
-    :func:`rank_input`); ``seed``: the random state the training steps start from;
-    ``dtype``: run in another dtype (the data are those of ``spec.dtype``, converted)."""
+def _reference(spec: VerifySpec, start: dict, step: int, nudge: int = 0, seed: int = 0, dtype: Optional[str] = None) -> dict:
+    """One process, one training step (number ``step``) on the concatenated batch, from the
+    state ``start``. ``nudge``: inputs a few ulp away (see :func:`rank_input`); ``seed``:
+    the random state the step starts from; ``dtype``: run in another dtype (the data and
+    the state are those of ``spec.dtype``, converted)."""
     import dataclasses
 
     import torch
 
     run_spec = dataclasses.replace(spec, dtype=dtype) if dtype else spec
     model = build_model(run_spec)
-    model.load_state_dict(initial)
+    model.load_state_dict(start)
     layers = _bn_layers(model)
     recorder = _Recorder(layers)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
     n = spec.input_shape[0]
     work = getattr(torch, run_spec.dtype)
-    torch.manual_seed(1_000_000 + seed)
-    for step in range(spec.steps):
-        recorder.new_step()
-        opt.zero_grad(set_to_none=False)
-        x = torch.cat([rank_input(spec, step, r, nudge) for r in range(spec.world_size)]).to(work)
-        outputs = _output_tensors(model(x))
-        total = 0.0
-        for r in range(spec.world_size):
-            chunks = []
-            for out in outputs:
-                if out.dim() == 0 or out.shape[0] != n * spec.world_size:
-                    raise UsageError(
-                        f"an output of shape {tuple(out.shape)} does not keep the batch dimension "
-                        f"first (expected {n * spec.world_size} rows for {spec.world_size} x {n})"
-                    )
-                chunks.append(out[r * n : (r + 1) * n])
-            total = total + _rank_loss(chunks, spec, step, r)
-        if isinstance(total, torch.Tensor):
-            (total / spec.world_size).backward()
-        opt.step()
-    return {
-        "outputs": recorder.outputs,
-        "buffers": {k: v.detach().clone() for k, v in model.state_dict().items() if k not in dict(model.named_parameters())},
-        "params": {k: p.detach().clone() for k, p in model.named_parameters()},
-        "eps": {name: float(m.eps) for name, m in layers},
-    }
+    torch.manual_seed(1_000_000 + 1009 * step + seed)
+    recorder.new_step()
+    opt.zero_grad(set_to_none=False)
+    x = torch.cat([rank_input(spec, step, r, nudge) for r in range(spec.world_size)]).to(work)
+    outputs = _output_tensors(model(x))
+    total = 0.0
+    for r in range(spec.world_size):
+        chunks = []
+        for out in outputs:
+            if out.dim() == 0 or out.shape[0] != n * spec.world_size:
+                raise UsageError(
+                    f"an output of shape {tuple(out.shape)} does not keep the batch dimension "
+                    f"first (expected {n * spec.world_size} rows for {spec.world_size} x {n})"
+                )
+            chunks.append(out[r * n : (r + 1) * n])
+        total = total + _rank_loss(chunks, spec, step, r)
+    if isinstance(total, torch.Tensor):
+        (total / spec.world_size).backward()
+    opt.step()
+    return dict(_state(model), outputs=recorder.outputs, eps={name: float(m.eps) for name, m in layers})
 
 
-def _references(spec: VerifySpec, initial: dict) -> dict:
-    """The reference run and the runs that measure the model's conditioning."""
-    runs = {"ref": _reference(spec, initial), "same": _reference(spec, initial, seed=1)}
-    runs["probes"] = [_reference(spec, initial, nudge=1), _reference(spec, initial, nudge=2)]
+def _start_state(initial: dict, rank0: dict, step: int) -> dict:
+    """Where step ``step`` starts: the initial state, or rank 0's state after the step before."""
+    if step == 0:
+        return initial
+    before = rank0["after"][step - 1]
+    return {**before["buffers"], **before["params"]}
+
+
+def _references(spec: VerifySpec, start: dict, step: int) -> dict:
+    """The reference for step ``step`` from the state ``start``, and the runs that measure
+    the model's conditioning there (all one step from the same state)."""
+    runs = {"ref": _reference(spec, start, step), "same": _reference(spec, start, step, seed=1)}
+    runs["probes"] = [_reference(spec, start, step, nudge=1), _reference(spec, start, step, nudge=2)]
     if spec.dtype != "float64":  # torch's own rounding error at this dtype, against float64
-        wide = {k: v.double() if v.is_floating_point() else v for k, v in initial.items()}
-        runs["probes"].append(_reference(spec, wide, dtype="float64"))
+        wide = {k: v.double() if v.is_floating_point() else v for k, v in start.items()}
+        runs["probes"].append(_reference(spec, wide, step, dtype="float64"))
     return runs
 
 
@@ -432,20 +448,51 @@ class LayerRow:
         return max(v for v in (self.output, self.running_mean or 0.0, self.running_var or 0.0))
 
 
-def _random_in_training(runs: dict) -> Optional[str]:
-    """Where two one-process runs on the same data (other random seeds) first differ."""
+def _random_in_training(runs: dict, step: int = 0) -> Optional[str]:
+    """Where two one-process runs of step ``step`` on the same data from the same state
+    (other random seeds) first differ."""
     import torch
 
     ref, same = runs["ref"], runs["same"]
     for name, steps in ref["outputs"].items():
-        for step, calls in enumerate(steps):
-            other = same["outputs"][name][step]
+        for calls, other in zip(steps, same["outputs"][name]):
             if len(other) != len(calls) or any(not torch.equal(a, b) for a, b in zip(calls, other)):
                 return f"the outputs of BatchNorm layer {name or '(model)'!r} at step {step + 1}"
     for key, value in ref["params"].items():
         if not torch.equal(value, same["params"][key]):
-            return f"parameter {key!r}"
+            return f"parameter {key!r} after step {step + 1}"
     return None
+
+
+def _rank_view(rank: dict, step: int) -> dict:
+    """One rank's results of one step, in the shape :func:`compare` reads."""
+    return {
+        "outputs": {name: [calls[step]] for name, calls in rank["outputs"].items()},
+        "buffers": rank["after"][step]["buffers"],
+        "params": rank["after"][step]["params"],
+    }
+
+
+def _merge(rows, params, more_rows, more_params, step: int):
+    """The worst of two steps' comparisons (rows per layer, the parameter line)."""
+    if rows is None:
+        rows = more_rows
+    else:
+        for row, more in zip(rows, more_rows):
+            calls = {int(c) for c in row.calls.split("/") + more.calls.split("/")}
+            row.calls = "/".join(str(c) for c in sorted(calls))
+            row.output = max(row.output, more.output)
+            for stat in ("running_mean", "running_var"):
+                old, new = getattr(row, stat), getattr(more, stat)
+                setattr(row, stat, None if old is None and new is None else max(old or 0.0, new or 0.0))
+            row.ranks_agree &= more.ranks_agree
+            row.limit = max(row.limit, more.limit)
+    relative, key, ratio, weak = more_params
+    named = (relative, f"{key} after step {step + 1}" if key else key, ratio)
+    if params is None:
+        return rows, named + (list(weak),)
+    best = named if ratio >= params[2] else params[:3]
+    return rows, best + (params[3] + [k for k in weak if k not in params[3]],)
 
 
 def _param_scale(key: str, value, params: dict, bn_names: set):
@@ -520,7 +567,8 @@ def compare(spec: VerifySpec, ranks: List[dict], runs: dict):
         q = _Quantity()
         scale = _param_scale(key, expected, ref["params"], bn_names)
         for r in ranks:
-            q.add(r["params"][key], expected, [p["params"].get(key) for p in probes], scale)
+            if r["params"] is not None:  # (only rank 0 reports them before the last step)
+                q.add(r["params"][key], expected, [p["params"].get(key) for p in probes], scale)
         if q.weak():
             weak.append(key)
         if q.ratio(tol) >= worst[2]:
@@ -542,8 +590,9 @@ def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str]
     lines = [
         f"syncbn verify {spec.target}: {spec.world_size} ranks x input {tuple(spec.input_shape)}, "
         f"{spec.steps} step(s), {spec.dtype}",
-        "largest |syncbn on the ranks - one process on the concatenated batch|, each on its natural scale "
-        "(outputs: the layer's largest output; running mean: the channel's std; running var: itself)",
+        "largest |syncbn on the ranks - one process on the concatenated batch|, each step from the same state, "
+        "each on its natural scale (outputs: the layer's largest output; running mean: the channel's std; "
+        "running var: itself)",
         f"limit: that difference over what is allowed = {_SPREAD_FACTOR:g} x how far inputs {_NUDGE_ULPS:g} ulp away "
         + ("(or float64) " if spec.dtype != "float64" else "")
         + f"move the one-process run, + {spec.tol:.1e}; PASS needs every limit <= 1",
@@ -561,7 +610,7 @@ def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str]
         lines.append("(no BatchNorm layer in this model)")
     lines.append("")
     lines.append(
-        f"parameters after step {spec.steps}: {_fmt(params[0])}"
+        f"parameters after each step: {_fmt(params[0])}"
         + (f" (worst: {params[1]}, limit {_fmt(params[2])})" if params[1] else "")
     )
     for note in notes:
@@ -569,10 +618,10 @@ def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str]
     weak = params[3] if len(params) > 3 else []
     if weak and not random:
         lines.append(
-            f"note: at this input shape and step count, rounding alone moves {len(weak)} parameter tensor(s) "
+            f"note: at this input shape, rounding alone moves {len(weak)} parameter tensor(s) "
             f"by more than 1% (e.g. {weak[0]}): the model is that ill-conditioned here (small batches per "
-            "BatchNorm channel, many steps), so only larger differences can be told apart; for a sharper "
-            "check use float64, larger inputs or fewer steps"
+            "BatchNorm channel), so only larger differences can be told apart; for a sharper "
+            "check use float64 or larger inputs"
         )
     lines.append("")
     if random:
@@ -649,9 +698,15 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
     except TimeoutError as exc:
         print(f"FAIL: {exc} (a collective or a step did not finish within the timeouts)", file=out)
         return 1
-    runs = _references(spec, ranks[0]["initial"])
-    random = _random_in_training(runs)
-    rows, params, ok = compare(spec, ranks, runs)
+    rows = params = random = None
+    ok = True
+    for step in range(spec.steps):  # each step from the same state: rank 0's after the step before
+        runs = _references(spec, _start_state(ranks[0]["initial"], ranks[0], step), step)
+        random = random or _random_in_training(runs, step)
+        step_rows, step_params, step_ok = compare(spec, [_rank_view(r, step) for r in ranks], runs)
+        rows, params = _merge(rows, params, step_rows, step_params, step)
+        ok &= step_ok
+        del runs
     print(format_report(spec, rows, params, ok and not random, ranks[0]["notes"], random), file=out)
     out.flush()
     return 0 if ok and not random else 1

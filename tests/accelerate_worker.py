@@ -1,0 +1,67 @@
+"""The README's accelerate recipe as a training script (tests/test_accelerate.py).
+
+Launched with 2 processes on the CPU (``python -m torch.distributed.run --standalone
+--nproc-per-node 2 tests/accelerate_worker.py OUT_DIR``);
+``accelerate.Accelerator(cpu=True)`` then runs as MULTI_CPU over gloo. Each process saves its
+model's state after training, and the distributed type accelerate chose, to
+``OUT_DIR/rank{R}.pt``. The model, data and steps are :func:`build_model` and
+:func:`dataset`, which the test reuses for its one-process reference.
+"""
+
+import sys
+
+import torch
+
+BATCH, STEPS, WORLD, LR = 2, 2, 2, 0.1  # BATCH rows per process and step
+
+
+def build_model():
+    """tests/verify_models.py's small ResNet (BatchNorm2d layers and a BatchNorm1d head with
+    momentum=None), seeded, in float64."""
+    from verify_models import TinyResNet
+
+    torch.manual_seed(5)
+    return TinyResNet(classes=4).double()
+
+
+def dataset():
+    """(x, g) rows for every step of every process, in the order accelerate deals them out:
+    the loader's batch s * WORLD + r goes to process r at step s."""
+    gen = torch.Generator().manual_seed(23)
+    n = BATCH * WORLD * STEPS
+    x = torch.randn(n, 3, 5, 5, generator=gen, dtype=torch.float64) * 2 + 0.5
+    g = torch.randn(n, 4, generator=gen, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, g)
+
+
+def main(out_dir: str) -> None:
+    import accelerate
+
+    import syncbn
+
+    # -- the recipe (README, "With your framework", accelerate) --
+    accelerator = accelerate.Accelerator(cpu=True)  # without cpu=True, no GPU: each process alone (NO)
+    model = syncbn.convert_sync_batchnorm(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # -- end of the recipe --
+    for x, g in loader:
+        optimizer.zero_grad()
+        loss = (model(x) * g).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+    plain = accelerator.unwrap_model(model)
+    torch.save(
+        {
+            "distributed_type": str(accelerator.distributed_type),
+            "backend": torch.distributed.get_backend(),
+            "layers": sorted({type(m).__name__ for m in plain.modules() if "BatchNorm" in type(m).__name__}),
+            "state": {k: v.detach().clone() for k, v in plain.state_dict().items()},
+        },
+        f"{out_dir}/rank{accelerator.process_index}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
