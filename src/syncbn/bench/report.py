@@ -608,11 +608,11 @@ def terminal(report: dict) -> str:
     out += _table(SUMMARY_HEADER, _summary_rows(report))
     for r in report["timing"]["refusals"]:
         out.append(f"  {_label(r['impl'])} at W = {_world(r['world'])}: not run: {r['refusal']}")
-    if report.get("keras_multiworker"):
-        out += [""] + _multiworker_lines(report, md=False)
     floor = report.get("floor")
     if floor:
         out.append(f"  copy bandwidth {floor['bytes_per_s'] / 1e9:.1f} GB/s (floor = 8 passes over the input)")
+    if report.get("keras_multiworker"):
+        out += [""] + _multiworker_lines(report, md=False)
     out.append("")
     biggest = str(max(report["plan"]["comm_channels"]))
     out.append(f"Bytes per rank per layer call (forward + backward), C = {biggest}")
