@@ -92,7 +92,7 @@ def worker(index: int, plan: dict, out: str) -> int:
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     import keras
 
-    from .keras_peer import make_layer, point_arrays
+    from .keras_peer import candidate, make_layer, point_arrays
     from .timing import measure_interleaved
 
     result = {"peer": "keras_multiworker", "label": LABEL, "world": WORLD, "worker": index, "threads": threads,
@@ -125,24 +125,7 @@ def worker(index: int, plan: dict, out: str) -> int:
                 with strategy.scope():
                     layer = make_layer(impl, axis)
                     layer.build(xs[0].shape)
-
-                def replica(x, dy, layer=layer):
-                    with tf.GradientTape() as tape:
-                        tape.watch(x)
-                        y = layer(x, training=True)
-                    return tape.gradient(y, [x] + list(layer.trainable_variables), output_gradients=dy)
-
-                step = tf.function(lambda x, dy, replica=replica: strategy.run(replica, args=(x, dy)))
-                last = []
-
-                def run(step=step, last=last):
-                    last[:] = [step(x, dy)]
-
-                def sync(last=last):
-                    if last:
-                        strategy.experimental_local_results(last[0][1])[0].numpy()
-
-                candidates[impl] = (run, sync)
+                candidates[impl] = candidate(tf, strategy, layer, x, dy)
             times = measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree=agree)
             result["points"].append(i)
             for impl in IMPLS:

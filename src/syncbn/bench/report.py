@@ -195,9 +195,10 @@ def _multiworker_lines(report: dict, md: bool) -> List[str]:
     mw = report.get("keras_multiworker")
     if not mw:
         return []
+    ratio = lambda v: "not measured" if v is None else f"{v:.2f}x"  # noqa: E731
     lines = [f"Keras at equal topology: {mw['label']} (median ratios: syncbn.keras / Keras synchronized "
-             f"{_fmt(mw['median_ratio_syncbn_keras_to_keras_sync'])}x, syncbn torch W=2 / Keras synchronized "
-             f"{_fmt(mw['median_ratio_syncbn_torch_to_keras_sync'])}x; no bar)"]
+             f"{ratio(mw['median_ratio_syncbn_keras_to_keras_sync'])}, syncbn torch W=2 / Keras synchronized "
+             f"{ratio(mw['median_ratio_syncbn_torch_to_keras_sync'])}; no bar)"]
     lines += [""] if md else []
     lines += (_md_table if md else _table)(MULTIWORKER_HEADER, _multiworker_rows(mw))
     return lines
