@@ -5,6 +5,7 @@ Timings are never asserted: the bars are printed by the report, not tested.
 """
 
 import json
+import math
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 from syncbn.bench import communication, cuda_counts, memory, report, runner
 from syncbn.bench.plan import PEERS, make_plan
 
-QUICK_TIMEOUT = 420  # about 90 s on two idle cores; generous for a loaded machine
+QUICK_TIMEOUT = 420  # about 90-110 s on two cores (the multi-worker Keras row adds ~15 s); generous for a loaded machine
 
 
 def _bench_command():
@@ -83,6 +84,35 @@ def test_quick_times_every_installed_peer(quick):
     skipped = {s["peer"] for s in rep["skipped"]}
     for key in ("keras_sync", "syncbn_keras", "flax"):
         assert key in skipped or (key, 2) in seen, key
+
+
+def test_quick_keras_multiworker_row(quick):
+    """Keras at syncbn's topology (2 worker processes, MultiWorkerMirroredStrategy)
+    beside syncbn's torch layer at 2 gloo processes: structure and finite, positive
+    figures (no bar: the speeds are printed, not asserted)."""
+    _, rep, stdout = quick
+    if "keras_multiworker" in {s["peer"] for s in rep["skipped"]}:
+        assert rep["keras_multiworker"] is None and "skipped Keras synchronized BN and syncbn.keras" in stdout
+        return
+    mw = rep["keras_multiworker"]
+    assert mw["label"] == "2 worker processes, MultiWorkerMirroredStrategy" and mw["world"] == 2
+    assert mw["label"] in stdout
+    assert [r["point"] for r in mw["rows"]] == rep["plan"]["keras_multiworker"]["points"]
+    torch_w2 = {r["point"]: r["median_ms"] for r in rep["timing"]["rows"] if r["impl"] == "syncbn" and r["world"] == 2}
+    for row in mw["rows"]:
+        assert {k: row[k] for k in ("N", "C", "H", "W", "layout")} == rep["plan"]["points"][row["point"]]
+        assert row["repeats"] == rep["plan"]["repeats"]
+        assert row["syncbn_torch_ms"] == torch_w2[row["point"]]  # the torch peer's figure, same point
+        for key in ("keras_sync_ms", "syncbn_keras_ms", "syncbn_torch_ms", "ratio_syncbn_keras_to_keras_sync",
+                    "ratio_syncbn_torch_to_keras_sync"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert row["ratio_syncbn_keras_to_keras_sync"] == pytest.approx(row["syncbn_keras_ms"] / row["keras_sync_ms"])
+        assert row["ratio_syncbn_torch_to_keras_sync"] == pytest.approx(row["syncbn_torch_ms"] / row["keras_sync_ms"])
+    for key in ("median_ratio_syncbn_keras_to_keras_sync", "median_ratio_syncbn_torch_to_keras_sync"):
+        assert math.isfinite(mw[key]) and mw[key] > 0, (key, mw)
+    # the in-process MirroredStrategy rows stay
+    seen = {(r["impl"], r["world"]) for r in rep["timing"]["rows"]}
+    assert {("keras_sync", 2), ("syncbn_keras", 2)} <= seen
 
 
 def test_quick_numerics_and_memory(quick):

@@ -7,7 +7,8 @@ Modules, one concern each:
 - :mod:`~syncbn.bench.peers`: starting one peer's process with a bounded time;
 - :mod:`~syncbn.bench.timing`: medians of interleaved, repeated blocks after warm-up;
 - :mod:`~syncbn.bench.torch_peer`, :mod:`~syncbn.bench.keras_peer`,
-  :mod:`~syncbn.bench.flax_peer`: the processes that measure each framework;
+  :mod:`~syncbn.bench.keras_multiworker`, :mod:`~syncbn.bench.flax_peer`: the processes
+  that measure each framework;
 - :mod:`~syncbn.bench.communication`, :mod:`~syncbn.bench.memory`,
   :mod:`~syncbn.bench.numerics`, :mod:`~syncbn.bench.floor`: what is measured;
 - :mod:`~syncbn.bench.runner`, :mod:`~syncbn.bench.report`,
@@ -33,7 +34,9 @@ DESCRIPTION = """\
 Per-layer forward + backward time over a grid of shapes for torch.nn.BatchNorm2d,
 syncbn.SyncBatchNorm (no process group, and W gloo processes), torch.nn.SyncBatchNorm,
 Keras BatchNormalization(synchronized=True) and syncbn.keras.SyncBatchNormalization
-under MirroredStrategy on W logical CPUs, and Flax BatchNorm (both variance modes) and
+under MirroredStrategy on W logical CPUs and under MultiWorkerMirroredStrategy with
+2 worker processes on 127.0.0.1 (beside syncbn's 2 gloo processes, a few grid points,
+no bar), and Flax BatchNorm (both variance modes) and
 syncbn.flax.BatchNorm under pmap on W host devices, each in its own process(es) with the
 same threads per replica; the collectives and bytes of one layer call counted at the
 process group; the bytes saved

@@ -74,12 +74,9 @@ def point_arrays(point: dict, world: int, seed: int):
     return xs, dys, (1 if point["layout"] == "contiguous" else -1)
 
 
-def time_point(tf, strategy, impl, point, world, plan, seed):
-    xs, dys, axis = point_arrays(point, world, seed)
-    with strategy.scope():
-        layer = make_layer(impl, axis)
-        layer.build(xs[0].shape)
-    x, dy = per_replica(tf, strategy, xs), per_replica(tf, strategy, dys)
+def candidate(tf, strategy, layer, x, dy):
+    """(step, sync) for the timing: one compiled ``strategy.run`` of forward + backward
+    (input, gamma and beta gradients for ``dy``) on every replica."""
 
     @tf.function
     def step(x, dy):
@@ -100,7 +97,17 @@ def time_point(tf, strategy, impl, point, world, plan, seed):
         if last:
             strategy.experimental_local_results(last[0][1])[0].numpy()
 
-    return measure_interleaved({impl: (run, sync)}, plan["repeats"], plan["warmup"], plan["min_block_s"])[impl]
+    return run, sync
+
+
+def time_point(tf, strategy, impl, point, world, plan, seed):
+    xs, dys, axis = point_arrays(point, world, seed)
+    with strategy.scope():
+        layer = make_layer(impl, axis)
+        layer.build(xs[0].shape)
+    x, dy = per_replica(tf, strategy, xs), per_replica(tf, strategy, dys)
+    return measure_interleaved({impl: candidate(tf, strategy, layer, x, dy)}, plan["repeats"], plan["warmup"],
+                               plan["min_block_s"])[impl]
 
 
 def merged_variances(tf, strategy, impl, spec, world) -> dict:

@@ -37,6 +37,8 @@ PEERS: Dict[str, Peer] = {
         Peer("keras_bn", "keras BatchNormalization", "keras", ("tensorflow", "keras")),
         Peer("keras_sync", "keras BatchNormalization(synchronized=True)", "keras", ("tensorflow", "keras")),
         Peer("syncbn_keras", "syncbn.keras.SyncBatchNormalization", "keras", ("tensorflow", "keras")),
+        Peer("keras_multiworker", "Keras synchronized BN and syncbn.keras, 2 worker processes, "
+             "MultiWorkerMirroredStrategy", "keras_multiworker", ("tensorflow", "keras")),
         Peer("flax", "flax nn.BatchNorm(axis_name=...)", "flax", ("jax", "flax")),
         Peer("flax_two_pass", "flax nn.BatchNorm(axis_name=..., use_fast_variance=False)", "flax", ("jax", "flax")),
         Peer("syncbn_flax", "syncbn.flax.BatchNorm(axis_name=...)", "flax", ("jax", "flax")),
@@ -75,6 +77,7 @@ def make_plan(quick: bool = False, threads: int = 1, peers: Optional[Sequence[st
             "cuda_counts": {"shapes": [[2, 64, 28, 28]], "layouts": ["contiguous", "channels_last"]},
             "memory": {"channels": 64, "batch": 4, "size": 28, "model_batch": 2, "model_size": 64},
             "copy_mib": 64,
+            "keras_multiworker": {"points": [0]},
         }
     else:
         plan = {
@@ -91,6 +94,8 @@ def make_plan(quick: bool = False, threads: int = 1, peers: Optional[Sequence[st
             "cuda_counts": {"shapes": [[8, 64, 56, 56]], "layouts": ["contiguous", "channels_last"]},
             "memory": {"channels": 256, "batch": 8, "size": 56, "model_batch": 8, "model_size": 128},
             "copy_mib": 256,
+            # worker start-up costs seconds: the smallest and the largest point, both layouts
+            "keras_multiworker": {"points": [0, 1, 14, 15]},
         }
     plan["quick"] = quick
     plan["threads"] = threads

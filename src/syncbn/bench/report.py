@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 from . import communication
 from .floor import PASSES, floor_seconds
+from .keras_multiworker import LABEL as MULTIWORKER_LABEL
 from .plan import PEERS
 from .timing import summarize
 
@@ -146,6 +147,61 @@ def _timing(plan: dict, raw: dict) -> dict:
             "median_ratio_to_floor": _median([r["median_ms"] / r["floor_ms"] for r in mine if r.get("floor_ms")]),
         })
     return {"rows": rows, "summary": summary, "refusals": refusals}
+
+
+def _multiworker(plan: dict, raw: dict, timing: dict) -> Optional[dict]:
+    """Keras at syncbn's topology: 2 worker processes under MultiWorkerMirroredStrategy
+    (both Keras layers interleaved in the same workers) beside syncbn's torch layer at 2
+    gloo processes (the torch peer's figure for the same grid point, another run). No
+    bar: figures and ratios only."""
+    result = (raw["peers"].get("keras_multiworker") or {}).get("2")
+    if not result or not result.get("points"):
+        return None
+    torch_w2 = {r["point"]: r["median_ms"] for r in timing["rows"] if r["impl"] == "syncbn" and r["world"] == 2}
+    rows = []
+    for j, i in enumerate(result["points"]):
+        keras = summarize(result["times"]["keras_sync"][j])
+        ours = summarize(result["times"]["syncbn_keras"][j])
+        row = {"point": i, **plan["points"][i], "repeats": keras["repeats"],
+               "keras_sync_ms": keras["median_s"] * 1e3, "syncbn_keras_ms": ours["median_s"] * 1e3,
+               "syncbn_torch_ms": torch_w2.get(i)}
+        row["ratio_syncbn_keras_to_keras_sync"] = row["syncbn_keras_ms"] / row["keras_sync_ms"]
+        row["ratio_syncbn_torch_to_keras_sync"] = (None if row["syncbn_torch_ms"] is None
+                                                   else row["syncbn_torch_ms"] / row["keras_sync_ms"])
+        rows.append(row)
+    return {
+        "label": MULTIWORKER_LABEL, "world": 2, "communication": result.get("communication"), "rows": rows,
+        "median_ratio_syncbn_keras_to_keras_sync": _median([r["ratio_syncbn_keras_to_keras_sync"] for r in rows]),
+        "median_ratio_syncbn_torch_to_keras_sync": _median([r["ratio_syncbn_torch_to_keras_sync"] for r in rows]),
+        "note": "Keras BatchNormalization(synchronized=True) and syncbn.keras.SyncBatchNormalization timed "
+                "interleaved in the same 2 worker processes (one CPU replica each, TF_CONFIG on 127.0.0.1, ring "
+                "all-reduce); syncbn.SyncBatchNorm (torch) at 2 gloo processes comes from the torch peer, same "
+                "per-rank batch, another run. Medians in ms per forward + backward of one layer; no bar.",
+    }
+
+
+def _multiworker_rows(mw: dict) -> List[List[str]]:
+    return [[str(r["N"]), str(r["C"]), f"{r['H']}x{r['W']}", r["layout"], _fmt(r["keras_sync_ms"], ".3f"),
+             _fmt(r["syncbn_keras_ms"], ".3f"), _fmt(r["syncbn_torch_ms"], ".3f"),
+             _fmt(r["ratio_syncbn_keras_to_keras_sync"]), _fmt(r["ratio_syncbn_torch_to_keras_sync"])]
+            for r in mw["rows"]]
+
+
+MULTIWORKER_HEADER = ["N", "C", "HxW", "layout", "Keras synchronized ms", "syncbn.keras ms", "syncbn torch W=2 ms",
+                      "syncbn.keras / Keras", "syncbn torch / Keras"]
+
+
+def _multiworker_lines(report: dict, md: bool) -> List[str]:
+    mw = report.get("keras_multiworker")
+    if not mw:
+        return []
+    ratio = lambda v: "not measured" if v is None else f"{v:.2f}x"  # noqa: E731
+    lines = [f"Keras at equal topology: {mw['label']} (median ratios: syncbn.keras / Keras synchronized "
+             f"{ratio(mw['median_ratio_syncbn_keras_to_keras_sync'])}, syncbn torch W=2 / Keras synchronized "
+             f"{ratio(mw['median_ratio_syncbn_torch_to_keras_sync'])}; no bar)"]
+    lines += [""] if md else []
+    lines += (_md_table if md else _table)(MULTIWORKER_HEADER, _multiworker_rows(mw))
+    return lines
 
 
 # --------------------------------------------------------------------------- the rest
@@ -465,6 +521,7 @@ def build(plan: dict, raw: dict, meta: dict) -> dict:
         "cuda_counts": torch_result.get("cuda_counts"),
         "bars": _bars(timing, comm, num, plan) + [_cuda_bar(torch_result.get("cuda_counts"))],
         "fused": _fused_figures(timing, torch_result.get("memory")),
+        "keras_multiworker": _multiworker(plan, raw, timing),
         "skipped": raw["skipped"],
         "runs": raw["runs"],
         "errors": errors,
@@ -555,6 +612,8 @@ def terminal(report: dict) -> str:
     floor = report.get("floor")
     if floor:
         out.append(f"  copy bandwidth {floor['bytes_per_s'] / 1e9:.1f} GB/s (floor = 8 passes over the input)")
+    if report.get("keras_multiworker"):
+        out += [""] + _multiworker_lines(report, md=False)
     out.append("")
     biggest = str(max(report["plan"]["comm_channels"]))
     out.append(f"Bytes per rank per layer call (forward + backward), C = {biggest}")
@@ -615,6 +674,9 @@ def markdown(report: dict, images: List[str]) -> str:
             cells.append("-" if r is None else f"{r['median_ms']:.3f} ({_fmt(r.get('ratio_to_bn'))}x)")
         rows.append(cells)
     out += _md_table(header, rows)
+    if report.get("keras_multiworker"):
+        out += ["", "### Keras at equal topology", ""] + _multiworker_lines(report, md=True)
+        out += ["", report["keras_multiworker"]["note"]]
     out += ["", "## Communication per layer call", ""]
     for c in report["communication"]["tables"]:
         out.append(f"C = {c} (bytes sent per rank, = bytes received; 'counted' rows come from the process group "

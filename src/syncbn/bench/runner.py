@@ -18,7 +18,7 @@ from .peers import cpu_count, load_average, run_peer
 __all__ = ["run_bench"]
 
 # seconds allowed per peer process: (quick, full)
-TIMEOUTS = {"torch": (150, 900), "keras": (120, 420), "flax": (90, 300)}
+TIMEOUTS = {"torch": (150, 900), "keras": (120, 420), "keras_multiworker": (150, 420), "flax": (90, 300)}
 
 
 def _runs(plan: dict):
@@ -31,6 +31,10 @@ def _runs(plan: dict):
             # Keras's unsynchronized layer is the one-replica reference only
             for w in [w for w in plan["worlds"]["keras"] if key != "keras_bn" or w == 1]:
                 yield "keras", key, w, "syncbn.bench.keras_peer", ["--impl", key, "--world", w]
+    if "keras_multiworker" in selected:  # one launcher, two worker processes, both layers
+        timeout = TIMEOUTS["keras_multiworker"][0 if plan["quick"] else 1]
+        yield ("keras_multiworker", "keras_multiworker", 2, "syncbn.bench.keras_multiworker",
+               ["--timeout", timeout - 10])
     if any(plans.PEERS[k].family == "flax" for k in selected):  # one process times them all
         for w in plan["worlds"]["flax"]:
             yield "flax", "flax", w, "syncbn.bench.flax_peer", ["--world", w]
