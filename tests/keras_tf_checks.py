@@ -1209,6 +1209,56 @@ def fingerprint_guard_in_fit():
 
 
 @check
+def fit_under_a_strategy_keeps_off_xla():
+    """Under MirroredStrategy(2), synchronized layers say they do not support XLA, so
+    compile(jit_compile=True) falls back to a plain tf.function (where the fingerprint's
+    assert stops a disagreeing step) and fit trains exactly as with jit_compile=False;
+    outside a strategy the layer keeps Keras's default, and a program can opt in."""
+    import warnings
+
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert
+
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((32, 8, 8, 3)) + [3.0, -1.0, 5.0]).astype(np.float32)
+    y = rng.integers(0, 3, 32)
+    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+
+    def train(jit):
+        with mirrored(2).scope():
+            model = small_convnet(keras.layers.BatchNormalization)
+            model.set_weights(initial)
+            model = convert(model)
+            synced = [l for l in all_layers(model) if isinstance(l, SyncBatchNormalization)]
+            assert synced and all(l.supports_jit is False for l in synced), synced
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), jit_compile=jit,
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            assert model.jit_compile is False, model.jit_compile
+            if jit:
+                assert any("jit_compile" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    for a, b in zip(train(True), train(False)):
+        assert np.array_equal(a, b), nan_safe.max_abs_diff(a, b)
+
+    alone = small_convnet(SyncBatchNormalization)
+    assert all(l.supports_jit for l in all_layers(alone))
+    alone.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert alone.jit_compile is True
+    with mirrored(2).scope():
+        opted = convert(small_convnet(keras.layers.BatchNormalization))
+        for layer in all_layers(opted):
+            layer.supports_jit = True
+        opted.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert opted.jit_compile is True
+    return {"steps": 2}
+
+
+@check
 def fingerprint_guard_saves():
     """A model compiled with SkipMismatchedSteps saves and loads as a .keras file: the
     wrapper and its inner optimizer come back, with the inner optimizer's state (the

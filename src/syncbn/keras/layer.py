@@ -140,6 +140,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             synchronized=False,
             **kwargs,
         )
+        if keras.backend.backend() == "tensorflow":
+            mismatch.keep_fit_off_xla(self)
 
     # ------------------------------------------------------------------ build / config
 
@@ -174,6 +176,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if keras.backend.backend() == "tensorflow":
             # Where XLA drops the check's assert, the verdict goes here (see mismatch).
             mismatch.create(self, input_shape[self.axis])
+            mismatch.keep_fit_off_xla(self)
 
     def get_config(self):
         config = super().get_config()

@@ -61,6 +61,25 @@ def create(layer, channels):
     _records[layer] = (layer.name, int(channels), record)
 
 
+def keep_fit_off_xla(layer):
+    """Under a ``tf.distribute`` strategy of more than one replica, mark ``layer`` as
+    not supporting XLA (Keras's public ``Layer.supports_jit``), so that ``fit``,
+    ``evaluate`` and ``predict`` never compile its steps with XLA, even with
+    ``compile(jit_compile=True)`` (Keras warns "Model doesn't support
+    `jit_compile=True`" and runs the step as a plain ``tf.function``). There the
+    fingerprint's assert stops a disagreeing step on every replica before the
+    optimizer runs; inside XLA it would be compiled away. (Keras's own default,
+    ``jit_compile="auto"``, never uses XLA under a strategy anyway.) A program that
+    wants XLA under a strategy opts in after building the model, by setting
+    ``layer.supports_jit = True`` on the synchronized layers, together with
+    :class:`SkipMismatchedSteps` and :class:`MismatchCheck`. Called when the layer is
+    made and when it is built, whichever happens inside the strategy's scope."""
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        layer.supports_jit = False
+
+
 def write(layer, ok, sums, tag, world, rank, backward):
     """Record a traced call's verdict: unchanged where ``ok``, else the count plus one
     and, for the first disagreeing call, its details. Returns the assign op (None
