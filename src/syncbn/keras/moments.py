@@ -29,18 +29,27 @@ from __future__ import annotations
 from keras import ops
 
 __all__ = [
+    "at_least",
     "reduction_axes",
     "broadcast_shape",
     "element_mask",
     "per_channel_counts",
     "count_shape",
     "element_count",
+    "centered_sums",
     "local_moments",
     "batch_moments",
     "pack",
     "merge",
     "input_grad",
+    "train_normalize",
 ]
+
+
+def at_least(x, floor: float):
+    """``max(x, floor)`` in ``x``'s dtype, NaN kept (Keras's PyTorch backend computes
+    ``ops.maximum`` of two float64 tensors in float32)."""
+    return ops.where(x < floor, ops.cast(floor, x.dtype), x)
 
 
 def reduction_axes(ndim: int, axis: int) -> list:
@@ -107,29 +116,36 @@ def element_count(inputs, axis: int, mask, dtype):
     return per_channel * ops.cast(ops.shape(inputs)[-1], dtype)
 
 
-def local_moments(x, axis: int, mask, count):
-    """This replica's per-channel ``(mean, M2)``, shaped to broadcast against ``x``.
+def centered_sums(x, axis: int, mask, count):
+    """This replica's per-channel ``(m0, d, s, M2)``, each shaped to broadcast against ``x``.
 
-    Corrected two-pass: ``m0 = sum x / n``, then ``s = sum (x - m0)`` and
-    ``q = sum (x - m0)^2`` give ``mean = m0 + s / n`` and ``M2 = q - s^2 / n``. The
-    correction removes the rounding error of ``m0`` to first order, so ``M2`` keeps
-    full relative precision whatever ``|mean| / std``. ``count`` is
-    :func:`element_count`'s, in ``x``'s dtype; a channel with ``n = 0`` gets zeros (as
-    Keras's layer gives a fully masked channel). Masked-out elements never enter a sum
-    (not even as ``0 * inf``).
+    Corrected two-pass: ``m0 = sum x / n``, ``d = x - m0`` (every element, counted or
+    not), then over the counted elements ``s = sum d`` and ``q = sum d^2`` give the
+    local mean ``m0 + s / n`` and ``M2 = q - s^2 / n``. The correction removes the
+    rounding error of ``m0`` to first order, so ``M2`` keeps full relative precision
+    whatever ``|mean| / std``. ``count`` is :func:`element_count`'s, in ``x``'s dtype; a
+    channel with ``n = 0`` gets zeros (as Keras's layer gives a fully masked channel).
+    Masked-out elements never enter a sum (not even as ``0 * inf``). Every step is a
+    differentiable op of ``x``.
     """
     axes = reduction_axes(len(x.shape), axis)
-    safe = ops.reshape(ops.maximum(count, 1.0), count_shape(len(x.shape), axis))
+    safe = ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
     kept = x if mask is None else ops.where(mask, x, ops.zeros_like(x))
     m0 = ops.sum(kept, axis=axes, keepdims=True) / safe
     d = x - m0
-    if mask is not None:
-        d = ops.where(mask, d, ops.zeros_like(d))
-    s = ops.sum(d, axis=axes, keepdims=True)
-    q = ops.sum(ops.square(d), axis=axes, keepdims=True)
-    mean = m0 + s / safe
-    m2 = ops.maximum(q - ops.square(s) / safe, 0.0)
-    return mean, m2
+    counted = d if mask is None else ops.where(mask, d, ops.zeros_like(d))
+    s = ops.sum(counted, axis=axes, keepdims=True)
+    q = ops.sum(ops.square(counted), axis=axes, keepdims=True)
+    m2 = at_least(q - ops.square(s) / safe, 0.0)
+    return m0, d, s, m2
+
+
+def local_moments(x, axis: int, mask, count):
+    """This replica's per-channel ``(mean, M2)``, shaped to broadcast against ``x``: those
+    of :func:`centered_sums`, ``mean = m0 + s / n``."""
+    m0, _, s, m2 = centered_sums(x, axis, mask, count)
+    safe = ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
+    return m0 + s / safe, m2
 
 
 def batch_moments(x, axis: int, mask):
@@ -142,7 +158,7 @@ def batch_moments(x, axis: int, mask):
     channels = x.shape[axis]
     count = element_count(x, axis, mask, x.dtype)
     mean, m2 = local_moments(x, axis, mask, count)
-    var = m2 / ops.reshape(ops.maximum(count, 1.0), count_shape(len(x.shape), axis))
+    var = m2 / ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
     return ops.reshape(mean, (channels,)), ops.reshape(var, (channels,))
 
 
@@ -173,10 +189,10 @@ def merge(total, shift):
     channels = shift.shape[0]
     counts = total.shape[0] - 2 * channels
     count = total[:counts]
-    safe = ops.maximum(count, 1.0)
+    safe = at_least(count, 1.0)
     offset = total[counts : counts + channels] / safe
     mean = ops.where(count > 0, ops.cast(shift, total.dtype) + offset, ops.zeros_like(offset))
-    var = ops.maximum(total[counts + channels :] / safe - ops.square(offset), 0.0)
+    var = at_least(total[counts + channels :] / safe - ops.square(offset), 0.0)
     return count, mean, var
 
 
@@ -190,7 +206,87 @@ def input_grad(dy, xhat, scale, count, weights, sum_dy, sum_dy_xhat):
     ``S2 = sum dy * xhat`` over every element of the channel on every replica (every
     element is normalized with the batch statistics, counted or not). Everything is
     already shaped to broadcast against ``dy``."""
-    correction = (sum_dy + xhat * sum_dy_xhat) / ops.maximum(count, 1.0)
+    correction = (sum_dy + xhat * sum_dy_xhat) / at_least(count, 1.0)
     if weights is not None:
         correction = correction * weights
     return (dy - correction) * scale
+
+
+def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_reduce=None, count_dtype=None):
+    """A training call's ``(y, mean, biased var)`` with a closed-form backward; ``mean``
+    and ``var`` (vectors, in ``x``'s dtype) are for the moving averages and carry no
+    gradient.
+
+    Per channel, with this replica's :func:`centered_sums` ``(m0, d, s, M2)``:
+
+    - statistics: this batch's own (``mean = m0 + s / n``, ``var = M2 / n``), or, with
+      ``combine(count, local mean, M2) -> (N, mean, var)``, those over every replica
+      (``count`` in ``count_dtype``, the result in the summing dtype);
+    - forward, with ``delta = mean - m0`` (taken in the summing dtype, small: at most
+      a few global standard deviations) and ``scale = gamma / sqrt(var + eps)``:
+      ``y = d * scale + (beta - delta * scale)``, which is ``(x - mean) * scale + beta``
+      without a second subtraction over the data and without the rounding of a
+      float32 ``mean`` far from zero;
+    - backward, from ``s1 = sum dy`` and ``t = sum dy * d`` (``sum dy * xhat`` is
+      ``(t - delta * s1) / sqrt(var + eps)``), summed over the replicas by
+      ``all_reduce`` (one call, ``2C`` values) when given, and with ``w`` the 0/1
+      weights of counted elements (see :func:`input_grad`):
+      ``dx = dy * scale - w * scale * (S1 + (d - delta) * S2 / sqrt(var + eps)) / N``,
+      ``dgamma = sum dy * xhat``, ``dbeta = sum dy`` (this replica's sums).
+
+    Two passes fewer than normalizing ``x - mean`` again, one fewer backward. Every
+    quantity the backward uses is computed from ``x`` by differentiable ops inside the
+    function (``combine`` and ``all_reduce`` must be differentiable too), so
+    differentiating the backward again (a gradient penalty) gives the exact second
+    derivative: TensorFlow records the forward's ops on every active tape, JAX
+    differentiates a custom VJP's residuals.
+    """
+    ndim = len(x.shape)
+    channels = x.shape[axis]
+    shape = broadcast_shape(ndim, axis, channels)
+    cshape = count_shape(ndim, axis)
+    axes = reduction_axes(ndim, axis)
+    gamma = ops.ones((channels,), x.dtype) if gamma is None else gamma
+    beta = ops.zeros((channels,), x.dtype) if beta is None else beta
+    weights = None if mask is None else ops.cast(mask, x.dtype)
+
+    @ops.custom_gradient
+    def train(x, gamma, beta):
+        count = element_count(x, axis, mask, count_dtype or x.dtype)
+        local_count = ops.cast(count, x.dtype)
+        m0, d, s, m2 = centered_sums(x, axis, mask, local_count)
+        safe = ops.reshape(at_least(local_count, 1.0), cshape)
+        if combine is None:
+            n, delta = safe, s / safe
+            mean, var = m0 + delta, m2 / safe
+        else:
+            total, mean, var = combine(count, m0 + s / safe, m2)
+            n = ops.reshape(ops.cast(at_least(total, 1.0), x.dtype), cshape)
+            delta = ops.cast(ops.reshape(mean, shape) - ops.cast(m0, mean.dtype), x.dtype)
+            mean, var = ops.cast(mean, x.dtype), ops.cast(ops.reshape(var, shape), x.dtype)
+        inv = ops.rsqrt(var + epsilon)
+        scale = ops.reshape(gamma, shape) * inv
+        y = d * scale + (ops.reshape(beta, shape) - delta * scale)
+
+        def grad(*args, upstream=None):
+            dy = args[0] if upstream is None else upstream
+            if isinstance(dy, (tuple, list)):  # JAX: one cotangent for the output tuple
+                dy = dy[0]
+            s1 = ops.sum(dy, axis=axes, keepdims=True)
+            s2 = (ops.sum(dy * d, axis=axes, keepdims=True) - delta * s1) * inv
+            big_s1, big_s2 = s1, s2
+            if all_reduce is not None:
+                summed = all_reduce(ops.concatenate([ops.reshape(s1, (-1,)), ops.reshape(s2, (-1,))], axis=0))
+                big_s1 = ops.reshape(summed[:channels], shape)
+                big_s2 = ops.reshape(summed[channels:], shape)
+            slope = scale * inv * big_s2 / n
+            correction = d * slope + (scale * big_s1 / n - delta * slope)
+            if weights is not None:
+                correction = correction * weights
+            dx = dy * scale - correction
+            return dx, ops.reshape(s2, (channels,)), ops.reshape(s1, (channels,))
+
+        stats = (ops.stop_gradient(ops.reshape(mean, (channels,))), ops.stop_gradient(ops.reshape(var, (channels,))))
+        return (y,) + stats, grad
+
+    return train(x, gamma, beta)
