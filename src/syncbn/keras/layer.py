@@ -73,11 +73,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     only; under XLA its assert is compiled away and a disagreeing call's sums are NaN.)
 
     Higher-order gradients (the gradient of a gradient through a training call, e.g.
-    a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
-    hand: on TensorFlow and JAX (closed form, one device or many) and on PyTorch
-    across ``torch.distributed`` ranks (whose sums autograd cannot see). A silently
-    incomplete second derivative would be worse than none. On PyTorch in one process
-    they are exact (plain autograd).
+    a gradient penalty) are exact on TensorFlow (one replica and ``tf.distribute``
+    strategies: the closed-form backward is written in differentiable ops of tensors
+    computed from the input, and the all-reduce's gradient is an all-reduce, so the
+    second-order backward adds collectives) and on JAX, as on PyTorch in one process
+    (plain autograd). Across ``torch.distributed`` ranks they raise ``RuntimeError``
+    (autograd cannot see the sums): a silently incomplete second derivative would be
+    worse than none.
 
     The batch variance never goes negative and has no cancellation error: float32
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
