@@ -26,6 +26,7 @@ about ``6e-8 * ((mean - K) / std)^2``, small once the moving mean tracks the dat
 
 from __future__ import annotations
 
+import keras
 from keras import ops
 
 __all__ = [
@@ -47,9 +48,11 @@ __all__ = [
 
 
 def at_least(x, floor: float):
-    """``max(x, floor)`` in ``x``'s dtype, NaN kept (Keras's PyTorch backend computes
-    ``ops.maximum`` of two float64 tensors in float32)."""
-    return ops.where(x < floor, ops.cast(floor, x.dtype), x)
+    """``max(x, floor)`` in ``x``'s dtype (Keras's PyTorch backend computes
+    ``ops.maximum`` of two float64 tensors in float32: there a select instead)."""
+    if keras.backend.backend() == "torch":
+        return ops.where(x < floor, ops.cast(floor, x.dtype), x)
+    return ops.maximum(x, ops.cast(floor, x.dtype))
 
 
 def reduction_axes(ndim: int, axis: int) -> list:

@@ -125,7 +125,10 @@ def tf_checked_all_reduce(ctx, tag, backward):
         payload = tf.concat([value, tf.constant(lf.values(tag), value.dtype)], axis=0)
         total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, payload)
         summed, sums = total[:size], total[size:]
-        exact = tf.cast(tf.round(sums), tf.int64)  # integers below world * 225
+        # Sums of small integers (below world * 225): in float64, they and t * t and
+        # q * world are exact whatever the summation order, so they are compared as
+        # they are; float32 sums (TPU) are compared as integers.
+        exact = sums if sums.dtype == tf.float64 else tf.cast(tf.round(sums), tf.int64)
         t, q = exact[: lf.DIGITS], exact[lf.DIGITS :]
         ok = tf.reduce_all(tf.equal(t * t, q * world))
         rank = _tf_replica_rank(ctx)
