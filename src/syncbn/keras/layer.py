@@ -50,7 +50,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     the same local statistics as ``keras.layers.BatchNormalization``. Inference uses the
     moving statistics through Keras's own op (so a converted model predicts exactly what
     the original did) and never communicates; training normalizes as
-    ``(x - mean) * s + beta``, which keeps full precision for inputs far from zero.
+    ``(x - mean) * s + beta`` (on TensorFlow and JAX as ``(x - m0) * s + (beta - (mean -
+    m0) * s)`` around this replica's own mean ``m0``, see
+    :func:`syncbn.keras.moments.train_normalize`), which keeps full precision for
+    inputs far from zero.
     Half-precision inputs are normalized in float32; statistics and moving averages are
     float32. ``gamma``/``beta`` gradients
     are this replica's own sums, which the strategy aggregates as for any weight.
