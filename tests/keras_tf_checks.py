@@ -185,6 +185,59 @@ def oracle_mirrored():
     return {"max_abs_error": errors}
 
 
+def penalty_gradient_step(layer, mask=None):
+    """``x -> `` the gradient of a gradient penalty through a training call of ``layer``:
+    ``sum(g^2)`` with ``g`` the gradient of ``sum(y^3)`` (a second derivative)."""
+    import tensorflow as tf
+
+    def step(x):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                loss = tf.reduce_sum(layer(x, training=True, mask=mask) ** 3)
+            penalty = tf.reduce_sum(inner.gradient(loss, x) ** 2)
+        return outer.gradient(penalty, x)
+
+    return step
+
+
+@check
+def second_order_mirrored():
+    """A gradient penalty through a synchronized training call (2 and 3 replicas,
+    uneven and empty batches, traced and eager): each replica's second derivative is
+    its slice of the one Keras's own layer gives on the concatenated batch on one
+    device (each replica's gradients are those of the sum of the replicas' losses).
+    Float64 layers and inputs (TensorFlow then computes in float64): rounding alone,
+    1e-9 of the largest value."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(11)
+    info = {}
+    for sizes, axis, eager in (([4, 3], -1, False), ([3, 0, 5], 1, False), ([2, 4], -1, True)):
+        strategy = mirrored(len(sizes))
+        shape = (3, 2, 4) if axis == -1 else (4, 3, 2)
+        xs = [rng.standard_normal((n,) + shape) * 2 + 1 for n in sizes]
+        with strategy.scope():
+            layer = make_layer(SyncBatchNormalization, 4, 4, rng, axis=axis, dtype="float64")
+        plain = keras.layers.BatchNormalization(axis=axis, dtype="float64")
+        plain.build((None,) + shape)
+        plain.set_weights(layer.get_weights())
+        want = penalty_gradient_step(plain)(tf.constant(np.concatenate(xs))).numpy()
+        step = penalty_gradient_step(layer)
+        run = (lambda x: strategy.run(step, args=(x,))) if eager else tf.function(lambda x: strategy.run(step, args=(x,)))
+        got = np.concatenate(local(strategy, run(per_replica(strategy, xs))))
+        what = f"{sizes} axis {axis} {'eager' if eager else 'traced'}"
+        assert np.max(np.abs(want)) > 1e-3, (what, "a penalty gradient this small proves nothing")
+        assert np.all(np.isfinite(got)) and np.all(np.isfinite(want)), what
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.max(np.abs(want)), err_msg=what)
+        info[what] = float(np.max(np.abs(got - want)))
+    return info
+
+
 @check
 def oracle_eager():
     """``strategy.run`` without tf.function (replica threads, eager ops)."""

@@ -50,7 +50,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     the same local statistics as ``keras.layers.BatchNormalization``. Inference uses the
     moving statistics through Keras's own op (so a converted model predicts exactly what
     the original did) and never communicates; training normalizes as
-    ``(x - mean) * s + beta``, which keeps full precision for inputs far from zero.
+    ``(x - mean) * s + beta`` (on TensorFlow and JAX as ``(x - m0) * s + (beta - (mean -
+    m0) * s)`` around this replica's own mean ``m0``, see
+    :func:`syncbn.keras.moments.train_normalize`), which keeps full precision for
+    inputs far from zero.
     Half-precision inputs are normalized in float32; statistics and moving averages are
     float32. ``gamma``/``beta`` gradients
     are this replica's own sums, which the strategy aggregates as for any weight.
@@ -76,11 +79,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     see :mod:`syncbn.keras.mismatch`.)
 
     Higher-order gradients (the gradient of a gradient through a training call, e.g.
-    a gradient penalty) raise ``RuntimeError`` wherever the backward is written by
-    hand: on TensorFlow and JAX (closed form, one device or many) and on PyTorch
-    across ``torch.distributed`` ranks (whose sums autograd cannot see). A silently
-    incomplete second derivative would be worse than none. On PyTorch in one process
-    they are exact (plain autograd).
+    a gradient penalty) are exact on TensorFlow (one replica and ``tf.distribute``
+    strategies: the closed-form backward is written in differentiable ops of tensors
+    computed from the input, and the all-reduce's gradient is an all-reduce, so the
+    second-order backward adds collectives) and on JAX, as on PyTorch in one process
+    (plain autograd). Across ``torch.distributed`` ranks they raise ``RuntimeError``
+    (autograd cannot see the sums): a silently incomplete second derivative would be
+    worse than none.
 
     The batch variance never goes negative and has no cancellation error: float32
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
@@ -265,47 +270,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def _train_local(self, x, mask, gamma, beta):
         """Training output from this batch's own statistics, with the closed-form
-        backward (per channel, ``xhat = (x - mean) / sqrt(var + eps)``, ``w`` the 0/1
-        weights of counted elements, ``N`` their number, sums over every element):
-
-            dx = gamma / sqrt(var + eps) * (dy - w * (sum dy + xhat * sum dy * xhat) / N)
-            dgamma = sum dy * xhat,   dbeta = sum dy
-
-        the same gradient as differentiating through the statistics, in two reductions
-        and one elementwise pass instead of a chain of generic ones. The statistics
-        are those of :func:`moments.local_moments` (stable far from zero)."""
-        ndim, axis = len(x.shape), self.axis
-        channels = self.moving_mean.shape[0]
-        count = moments.element_count(x, axis, mask, x.dtype)
-        frozen = ops.stop_gradient(x)
-        mean, m2 = moments.local_moments(frozen, axis, mask, count)
-        n = ops.reshape(ops.maximum(count, 1.0), moments.count_shape(ndim, axis))
-        var = m2 / n  # biased
-        self._update_moving_statistics(ops.reshape(mean, (channels,)), ops.reshape(var, (channels,)))
-        shape = moments.broadcast_shape(ndim, axis, channels)
-        inv = ops.rsqrt(var + self.epsilon)
-        gamma = ops.ones(shape, x.dtype) if gamma is None else ops.reshape(gamma, shape)
-        beta = ops.zeros(shape, x.dtype) if beta is None else ops.reshape(beta, shape)
-        weights = None if mask is None else ops.cast(mask, x.dtype)
-        axes = moments.reduction_axes(ndim, axis)
-
-        @ops.custom_gradient
-        def normalize(x, mean, inv, n, gamma, beta):
-            xhat = (x - mean) * inv
-            y = xhat * gamma + beta
-
-            def grad(*args, upstream=None):
-                dy = args[0] if upstream is None else upstream
-                s1 = ops.sum(dy, axis=axes, keepdims=True)
-                s2 = ops.sum(dy * xhat, axis=axes, keepdims=True)
-                dx = moments.input_grad(dy, xhat, gamma * inv, n, weights, s1, s2)
-                dx, s2, s1 = replicas.first_order_only((dx, s2, s1))
-                zero = ops.zeros_like
-                return dx, zero(mean), zero(inv), zero(n), s2, s1
-
-            return y, grad
-
-        return normalize(x, mean, inv, n, gamma, beta)
+        backward of :func:`moments.train_normalize` (two reductions and one elementwise
+        pass instead of automatic differentiation's chain of generic ones; exact
+        second-order gradients too). The statistics are those of
+        :func:`moments.centered_sums` (stable far from zero)."""
+        y, mean, var = moments.train_normalize(x, self.axis, mask, gamma, beta, self.epsilon)
+        self._update_moving_statistics(mean, var)
+        return y
 
     def _batch_statistics(self, x, mask):
         """Per-channel ``(mean, biased var, ok)`` of this training batch, over every
@@ -370,11 +341,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         d = (mean - renorm_mean) / floor
         clipping = self.renorm_clipping or {}
         if clipping.get("rmin") is not None:
-            r = ops.maximum(r, clipping["rmin"])
+            r = ops.maximum(r, ops.cast(clipping["rmin"], dtype))
         if clipping.get("rmax") is not None:
-            r = ops.minimum(r, clipping["rmax"])
+            r = ops.minimum(r, ops.cast(clipping["rmax"], dtype))
         if clipping.get("dmax") is not None:
-            d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
+            d = ops.clip(d, ops.cast(-clipping["dmax"], dtype), ops.cast(clipping["dmax"], dtype))
         r = ops.stop_gradient(r)
         d = ops.stop_gradient(d)
 

@@ -26,21 +26,34 @@ about ``6e-8 * ((mean - K) / std)^2``, small once the moving mean tracks the dat
 
 from __future__ import annotations
 
+import keras
 from keras import ops
 
 __all__ = [
+    "at_least",
     "reduction_axes",
     "broadcast_shape",
     "element_mask",
     "per_channel_counts",
     "count_shape",
     "element_count",
+    "channel_sum",
+    "centered_sums",
     "local_moments",
     "batch_moments",
     "pack",
     "merge",
     "input_grad",
+    "train_normalize",
 ]
+
+
+def at_least(x, floor: float):
+    """``max(x, floor)`` in ``x``'s dtype (Keras's PyTorch backend computes
+    ``ops.maximum`` of two float64 tensors in float32: there a select instead)."""
+    if keras.backend.backend() == "torch":
+        return ops.where(x < floor, ops.cast(floor, x.dtype), x)
+    return ops.maximum(x, ops.cast(floor, x.dtype))
 
 
 def reduction_axes(ndim: int, axis: int) -> list:
@@ -107,29 +120,75 @@ def element_count(inputs, axis: int, mask, dtype):
     return per_channel * ops.cast(ops.shape(inputs)[-1], dtype)
 
 
-def local_moments(x, axis: int, mask, count):
-    """This replica's per-channel ``(mean, M2)``, shaped to broadcast against ``x``.
+def centered_sums(x, axis: int, mask, count):
+    """This replica's per-channel ``(m0, d, s, M2)``, each shaped to broadcast against ``x``.
 
-    Corrected two-pass: ``m0 = sum x / n``, then ``s = sum (x - m0)`` and
-    ``q = sum (x - m0)^2`` give ``mean = m0 + s / n`` and ``M2 = q - s^2 / n``. The
-    correction removes the rounding error of ``m0`` to first order, so ``M2`` keeps
-    full relative precision whatever ``|mean| / std``. ``count`` is
-    :func:`element_count`'s, in ``x``'s dtype; a channel with ``n = 0`` gets zeros (as
-    Keras's layer gives a fully masked channel). Masked-out elements never enter a sum
-    (not even as ``0 * inf``).
+    Corrected two-pass: ``m0 = sum x / n``, ``d = x - m0`` (every element, counted or
+    not), then over the counted elements ``s = sum d`` and ``q = sum d^2`` give the
+    local mean ``m0 + s / n`` and ``M2 = q - s^2 / n``. The correction removes the
+    rounding error of ``m0`` to first order, so ``M2`` keeps full relative precision
+    whatever ``|mean| / std``. ``count`` is :func:`element_count`'s, in ``x``'s dtype; a
+    channel with ``n = 0`` gets zeros (as Keras's layer gives a fully masked channel).
+    Masked-out elements never enter a sum (not even as ``0 * inf``). Every step is a
+    differentiable op of ``x``.
     """
-    axes = reduction_axes(len(x.shape), axis)
-    safe = ops.reshape(ops.maximum(count, 1.0), count_shape(len(x.shape), axis))
+    safe = ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
     kept = x if mask is None else ops.where(mask, x, ops.zeros_like(x))
-    m0 = ops.sum(kept, axis=axes, keepdims=True) / safe
+    m0 = channel_sum(kept, axis) / safe
     d = x - m0
-    if mask is not None:
-        d = ops.where(mask, d, ops.zeros_like(d))
-    s = ops.sum(d, axis=axes, keepdims=True)
-    q = ops.sum(ops.square(d), axis=axes, keepdims=True)
-    mean = m0 + s / safe
-    m2 = ops.maximum(q - ops.square(s) / safe, 0.0)
-    return mean, m2
+    counted = d if mask is None else ops.where(mask, d, ops.zeros_like(d))
+    s = channel_sum(counted, axis)
+    q = channel_sum(ops.square(counted), axis)
+    m2 = at_least(q - ops.square(s) / safe, 0.0)
+    return m0, d, s, m2
+
+
+def _full_precision_matmul() -> bool:
+    """Whether TensorFlow's float32 matrix products are exact float32 here: no GPU with
+    TensorFloat-32 enabled and no TPU among the logical devices."""
+    import tensorflow as tf
+
+    if tf.config.list_logical_devices("TPU"):
+        return False
+    return not (tf.config.experimental.tensor_float_32_execution_enabled() and tf.config.list_logical_devices("GPU"))
+
+
+def channel_sum(x, axis: int):
+    """``sum(x)`` over every axis but the channel ``axis`` (kept, size 1), differentiable
+    to every order.
+
+    On TensorFlow as matrix products with a vector of ones, ``(P*C, R) @ 1`` (unless
+    the channel axis is last) then ``1 @ (P, C)`` (``P``, ``R``: the sizes before and
+    after the channel axis): its
+    CPU reductions over a non-innermost axis read the data at a fraction of memory
+    speed (2 to 5 times slower than the product, measured on this project's CPU VM).
+    The sums are the same up to the order of float32 additions, which nothing here
+    relies on (the moments correct the mean's rounding, see :func:`centered_sums`).
+    Only where TensorFlow multiplies float32 matrices in full precision: not with a GPU
+    while TensorFloat-32 is enabled (its default; 10-bit mantissas), nor with a TPU
+    (bfloat16 passes by default). Elsewhere ``ops.sum``."""
+    ndim = len(x.shape)
+    axis = axis % ndim
+    if keras.backend.backend() != "tensorflow" or not _full_precision_matmul():
+        return ops.sum(x, axis=reduction_axes(ndim, axis), keepdims=True)
+    import tensorflow as tf
+
+    channels = x.shape[axis]
+    planes = x
+    if axis != ndim - 1:
+        rest = tf.reduce_prod(tf.shape(x)[axis + 1 :])
+        planes = tf.matmul(tf.reshape(x, [-1, rest]), tf.ones(tf.stack([rest, 1]), x.dtype))  # (P*C, 1)
+    planes = tf.reshape(planes, [-1, channels])  # (P, C)
+    total = tf.matmul(tf.ones(tf.stack([1, tf.shape(planes)[0]]), x.dtype), planes)  # (1, C)
+    return tf.reshape(total, broadcast_shape(ndim, axis, channels))
+
+
+def local_moments(x, axis: int, mask, count):
+    """This replica's per-channel ``(mean, M2)``, shaped to broadcast against ``x``: those
+    of :func:`centered_sums`, ``mean = m0 + s / n``."""
+    m0, _, s, m2 = centered_sums(x, axis, mask, count)
+    safe = ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
+    return m0 + s / safe, m2
 
 
 def batch_moments(x, axis: int, mask):
@@ -142,7 +201,7 @@ def batch_moments(x, axis: int, mask):
     channels = x.shape[axis]
     count = element_count(x, axis, mask, x.dtype)
     mean, m2 = local_moments(x, axis, mask, count)
-    var = m2 / ops.reshape(ops.maximum(count, 1.0), count_shape(len(x.shape), axis))
+    var = m2 / ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
     return ops.reshape(mean, (channels,)), ops.reshape(var, (channels,))
 
 
@@ -173,10 +232,10 @@ def merge(total, shift):
     channels = shift.shape[0]
     counts = total.shape[0] - 2 * channels
     count = total[:counts]
-    safe = ops.maximum(count, 1.0)
+    safe = at_least(count, 1.0)
     offset = total[counts : counts + channels] / safe
     mean = ops.where(count > 0, ops.cast(shift, total.dtype) + offset, ops.zeros_like(offset))
-    var = ops.maximum(total[counts + channels :] / safe - ops.square(offset), 0.0)
+    var = at_least(total[counts + channels :] / safe - ops.square(offset), 0.0)
     return count, mean, var
 
 
@@ -190,7 +249,86 @@ def input_grad(dy, xhat, scale, count, weights, sum_dy, sum_dy_xhat):
     ``S2 = sum dy * xhat`` over every element of the channel on every replica (every
     element is normalized with the batch statistics, counted or not). Everything is
     already shaped to broadcast against ``dy``."""
-    correction = (sum_dy + xhat * sum_dy_xhat) / ops.maximum(count, 1.0)
+    correction = (sum_dy + xhat * sum_dy_xhat) / at_least(count, 1.0)
     if weights is not None:
         correction = correction * weights
     return (dy - correction) * scale
+
+
+def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_reduce=None, count_dtype=None):
+    """A training call's ``(y, mean, biased var)`` with a closed-form backward; ``mean``
+    and ``var`` (vectors, in ``x``'s dtype) are for the moving averages and carry no
+    gradient.
+
+    Per channel, with this replica's :func:`centered_sums` ``(m0, d, s, M2)``:
+
+    - statistics: this batch's own (``mean = m0 + s / n``, ``var = M2 / n``), or, with
+      ``combine(count, local mean, M2) -> (N, mean, var)``, those over every replica
+      (``count`` in ``count_dtype``, the result in the summing dtype);
+    - forward, with ``delta = mean - m0`` (taken in the summing dtype, small: at most
+      a few global standard deviations) and ``scale = gamma / sqrt(var + eps)``:
+      ``y = d * scale + (beta - delta * scale)``, which is ``(x - mean) * scale + beta``
+      without a second subtraction over the data and without the rounding of a
+      float32 ``mean`` far from zero;
+    - backward, from ``s1 = sum dy`` and ``t = sum dy * d`` (``sum dy * xhat`` is
+      ``(t - delta * s1) / sqrt(var + eps)``), summed over the replicas by
+      ``all_reduce`` (one call, ``2C`` values) when given, and with ``w`` the 0/1
+      weights of counted elements (see :func:`input_grad`):
+      ``dx = dy * scale - w * scale * (S1 + (d - delta) * S2 / sqrt(var + eps)) / N``,
+      ``dgamma = sum dy * xhat``, ``dbeta = sum dy`` (this replica's sums).
+
+    Two passes fewer than normalizing ``x - mean`` again, one fewer backward. Every
+    quantity the backward uses is computed from ``x`` by differentiable ops inside the
+    function (``combine`` and ``all_reduce`` must be differentiable too), so
+    differentiating the backward again (a gradient penalty) gives the exact second
+    derivative: TensorFlow records the forward's ops on every active tape, JAX
+    differentiates a custom VJP's residuals.
+    """
+    ndim = len(x.shape)
+    channels = x.shape[axis]
+    shape = broadcast_shape(ndim, axis, channels)
+    cshape = count_shape(ndim, axis)
+    gamma = ops.ones((channels,), x.dtype) if gamma is None else gamma
+    beta = ops.zeros((channels,), x.dtype) if beta is None else beta
+    weights = None if mask is None else ops.cast(mask, x.dtype)
+
+    @ops.custom_gradient
+    def train(x, gamma, beta):
+        count = element_count(x, axis, mask, count_dtype or x.dtype)
+        local_count = ops.cast(count, x.dtype)
+        m0, d, s, m2 = centered_sums(x, axis, mask, local_count)
+        safe = ops.reshape(at_least(local_count, 1.0), cshape)
+        if combine is None:
+            n, delta = safe, s / safe
+            mean, var = m0 + delta, m2 / safe
+        else:
+            total, mean, var = combine(count, m0 + s / safe, m2)
+            n = ops.reshape(ops.cast(at_least(total, 1.0), x.dtype), cshape)
+            delta = ops.cast(ops.reshape(mean, shape) - ops.cast(m0, mean.dtype), x.dtype)
+            mean, var = ops.cast(mean, x.dtype), ops.cast(ops.reshape(var, shape), x.dtype)
+        inv = ops.rsqrt(var + epsilon)
+        scale = ops.reshape(gamma, shape) * inv
+        y = d * scale + (ops.reshape(beta, shape) - delta * scale)
+
+        def grad(*args, upstream=None):
+            dy = args[0] if upstream is None else upstream
+            if isinstance(dy, (tuple, list)):  # JAX: one cotangent for the output tuple
+                dy = dy[0]
+            s1 = channel_sum(dy, axis)
+            s2 = (channel_sum(dy * d, axis) - delta * s1) * inv
+            big_s1, big_s2 = s1, s2
+            if all_reduce is not None:
+                summed = all_reduce(ops.concatenate([ops.reshape(s1, (-1,)), ops.reshape(s2, (-1,))], axis=0))
+                big_s1 = ops.reshape(summed[:channels], shape)
+                big_s2 = ops.reshape(summed[channels:], shape)
+            slope = scale * inv * big_s2 / n
+            correction = d * slope + (scale * big_s1 / n - delta * slope)
+            if weights is not None:
+                correction = correction * weights
+            dx = dy * scale - correction
+            return dx, ops.reshape(s2, (channels,)), ops.reshape(s1, (channels,))
+
+        stats = (ops.stop_gradient(ops.reshape(mean, (channels,))), ops.stop_gradient(ops.reshape(var, (channels,))))
+        return (y,) + stats, grad
+
+    return train(x, gamma, beta)

@@ -50,7 +50,6 @@ from syncbn import layer_fingerprint as lf
 from . import mismatch, moments
 
 __all__ = [
-    "first_order_only",
     "tf_replica_context",
     "tf_sum_dtype",
     "tf_sync_moments",
@@ -60,58 +59,10 @@ __all__ = [
 ]
 
 
-SECOND_ORDER = (
-    "SyncBatchNormalization: higher-order gradients through a training call (the gradient "
-    "of a gradient, e.g. a gradient penalty) are not supported: its backward is written in "
-    "closed form, and differentiating it again would miss the statistics' terms. Compute "
-    "the penalty through a layer in inference mode, or use keras.layers.BatchNormalization "
-    "on one device"
-)
-
-
-def first_order_only(values):
-    """``values`` (a tuple of tensors) unchanged, whose own gradient raises
-    ``RuntimeError`` (:data:`SECOND_ORDER`): applied to what a closed-form backward
-    returns, so that differentiating that backward again fails clearly instead of
-    giving a second derivative without the statistics' terms. The error comes when the
-    second-order gradient is built (eagerly, or while tracing), on every replica alike.
-    """
-    import keras
-
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        @tf.custom_gradient
-        def guard(*values):
-            def grad(*upstream):
-                raise RuntimeError(SECOND_ORDER)
-
-            return tuple(tf.identity(v) for v in values), grad
-
-        return guard(*values)
-    if backend == "jax":
-        import jax
-
-        @jax.custom_vjp
-        def guard(*values):
-            return values
-
-        def forward(*values):
-            return values, None
-
-        def backward(residual, upstream):
-            raise RuntimeError(SECOND_ORDER)
-
-        guard.defvjp(forward, backward)
-        return guard(*values)
-    return values
-
-
 def _input_grad(x, axis, mask, mean, count, g_mean, g_var):
     """``dx`` of ``(mean, var)`` with the globally summed upstream gradients."""
     shape = moments.broadcast_shape(len(x.shape), axis, mean.shape[0])
-    inv_n = ops.reshape(ops.cast(1.0 / ops.maximum(count, 1.0), x.dtype), moments.count_shape(len(x.shape), axis))
+    inv_n = ops.reshape(ops.cast(1.0 / moments.at_least(count, 1.0), x.dtype), moments.count_shape(len(x.shape), axis))
     g_mean = ops.reshape(g_mean, shape)
     g_var = ops.reshape(g_var, shape)
     dx = (g_mean + 2.0 * g_var * (x - ops.reshape(mean, shape))) * inv_n
@@ -178,7 +129,10 @@ def tf_checked_all_reduce(ctx, tag, backward, layer=None):
         payload = tf.concat([value, tf.constant(lf.values(tag), value.dtype)], axis=0)
         total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, payload)
         summed, sums = total[:size], total[size:]
-        exact = tf.cast(tf.round(sums), tf.int64)  # integers below world * 225
+        # Sums of small integers (below world * 225): in float64, they and t * t and
+        # q * world are exact whatever the summation order, so they are compared as
+        # they are; float32 sums (TPU) are compared as integers.
+        exact = sums if sums.dtype == tf.float64 else tf.cast(tf.round(sums), tf.int64)
         t, q = exact[: lf.DIGITS], exact[lf.DIGITS :]
         ok = all_reduce.ok = tf.reduce_all(tf.equal(t * t, q * world))
         rank = _tf_replica_rank(ctx)
@@ -190,8 +144,10 @@ def tf_checked_all_reduce(ctx, tag, backward, layer=None):
             return summed
         message = lf.mismatch_message(tag, None, world, None, backward, who="replica",
                                       group="the replicas", what="layer", features="channels")
-        checks = [tf.debugging.Assert(ok, ["LayerMismatchError: " + message, "summed fingerprint:", sums],
-                                      summarize=lf.SIZE)]
+        # tf.raw_ops.Assert rather than tf.debugging.Assert, which wraps it in a cond
+        # (a functional If op run on every step) only to skip formatting the message.
+        checks = [tf.raw_ops.Assert(condition=ok, data=["LayerMismatchError: " + message, "summed fingerprint:", sums],
+                                    summarize=lf.SIZE)]
         if layer is not None:
             checks.append(mismatch.write(layer, ok, sums, tag, world, rank, backward))
         with tf.control_dependencies([c for c in checks if c is not None]):
@@ -245,7 +201,7 @@ def tf_sync_moments(x, axis, mask, shift, ctx, name="SyncBatchNormalization", la
             summed = tf_checked_all_reduce(ctx, tag, True, layer)(tf.concat([g_mean, g_var], axis=0))
             channels = mean.shape[0]
             dx = _input_grad(x, axis, mask, mean, count, summed[:channels], summed[channels:])
-            return first_order_only((dx,))[0]
+            return dx
 
         return (count, mean, var), grad
 
@@ -255,46 +211,27 @@ def tf_sync_moments(x, axis, mask, shift, ctx, name="SyncBatchNormalization", la
 
 def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBatchNormalization", layer=None):
     """A training call's ``(output, mean, biased var, ok)`` with statistics over every
-    replica of ``ctx``: one all-reduce in forward (the moments, as in
-    :func:`tf_sync_moments`) and one of ``2C`` values in backward (``sum dy`` and
-    ``sum dy * xhat``), the input gradient in closed form
-    (:func:`syncbn.keras.moments.input_grad`). ``gamma`` / ``beta`` (None: absent)
-    get this replica's own sums as gradients, which the strategy aggregates; ``mean``
-    and ``var`` are for the moving averages and carry no gradient; ``ok`` is the
-    forward's fingerprint verdict, which gates them. ``name`` identifies the layer in
-    the fingerprint; ``layer`` (optional) holds the verdict record."""
-    import tensorflow as tf
-
+    replica of ``ctx``: :func:`syncbn.keras.moments.train_normalize` with one
+    all-reduce in forward (the packed moments, as in :func:`tf_sync_moments`) and one
+    of ``2C`` values in backward (``sum dy`` and ``sum dy * xhat``), both carrying the
+    fingerprint. ``gamma`` / ``beta`` (None: absent) get this replica's own sums as
+    gradients, which the strategy aggregates; ``mean`` and ``var`` are for the moving
+    averages and carry no gradient; ``ok`` is the forward's fingerprint verdict, which
+    gates them. Both all-reduces are differentiable (the gradient of a sum over
+    replicas is the sum of the gradients), so second-order gradients are exact, at the
+    price of further all-reduces in the second-order backward. ``name`` identifies the
+    layer in the fingerprint; ``layer`` (optional) holds the verdict record."""
     dtype = tf_sum_dtype(ctx)
-    ndim = len(x.shape)
-    channels = shift.shape[0]
-    shape = moments.broadcast_shape(ndim, axis, channels)
-    axes = moments.reduction_axes(ndim, axis)
-    weights = None if mask is None else tf.cast(mask, x.dtype)
-    gamma = tf.ones((channels,), x.dtype) if gamma is None else gamma
-    beta = tf.zeros((channels,), x.dtype) if beta is None else beta
-    tag = tf_tag(name, channels, ctx)
+    tag = tf_tag(name, shift.shape[0], ctx)
     forward = tf_checked_all_reduce(ctx, tag, False, layer)
 
-    @tf.custom_gradient
-    def train(x, gamma, beta):
-        count, mean, var = _forward(x, axis, mask, shift, dtype, forward)
-        n = tf.reshape(tf.cast(count, x.dtype), moments.count_shape(ndim, axis))
-        inv = tf.math.rsqrt(tf.reshape(var, shape) + epsilon)
-        xhat = (x - tf.reshape(mean, shape)) * inv
-        y = xhat * tf.reshape(gamma, shape) + tf.reshape(beta, shape)
+    def combine(count, mean, m2):
+        total = forward(moments.pack(count, mean, m2, shift, dtype))
+        return moments.merge(total, shift)
 
-        def grad(dy, *unused):
-            s1 = tf.reduce_sum(dy, axis=axes)
-            s2 = tf.reduce_sum(dy * xhat, axis=axes)
-            summed = tf_checked_all_reduce(ctx, tag, True, layer)(tf.concat([s1, s2], axis=0))
-            dx = moments.input_grad(dy, xhat, tf.reshape(gamma, shape) * inv, n, weights,
-                                    tf.reshape(summed[:channels], shape), tf.reshape(summed[channels:], shape))
-            return first_order_only((dx, s2, s1))
-
-        return (y, tf.stop_gradient(mean), tf.stop_gradient(var)), grad
-
-    y, mean, var = train(x, gamma, beta)
+    y, mean, var = moments.train_normalize(x, axis, mask, gamma, beta, epsilon, combine=combine,
+                                           all_reduce=tf_checked_all_reduce(ctx, tag, True, layer),
+                                           count_dtype=dtype)
     return y, mean, var, forward.ok
 
 
