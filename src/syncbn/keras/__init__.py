@@ -20,6 +20,6 @@ them), ``convert`` (model conversion).
 
 from .convert import convert
 from .layer import SyncBatchNormalization
-from .mismatch import MismatchCheck, SkipMismatchedSteps, check_agreement
+from .mismatch import MismatchCheck, SkipMismatchedSteps, allow_xla, check_agreement
 
-__all__ = ["MismatchCheck", "SkipMismatchedSteps", "SyncBatchNormalization", "check_agreement", "convert"]
+__all__ = ["MismatchCheck", "SkipMismatchedSteps", "SyncBatchNormalization", "allow_xla", "check_agreement", "convert"]

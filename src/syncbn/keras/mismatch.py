@@ -30,7 +30,7 @@ import keras
 
 from syncbn import layer_fingerprint as lf
 
-__all__ = ["MismatchCheck", "SkipMismatchedSteps", "check_agreement"]
+__all__ = ["MismatchCheck", "SkipMismatchedSteps", "allow_xla", "check_agreement"]
 
 # Record layout (float64, every value an exact integer): disagreeing calls so far, then
 # about the first: backward (0/1), call index, replicas, this replica's number (-1:
@@ -71,13 +71,33 @@ def keep_fit_off_xla(layer):
     optimizer runs; inside XLA it would be compiled away. (Keras's own default,
     ``jit_compile="auto"``, never uses XLA under a strategy anyway.) A program that
     wants XLA under a strategy opts in after building the model, by setting
-    ``layer.supports_jit = True`` on the synchronized layers, together with
-    :class:`SkipMismatchedSteps` and :class:`MismatchCheck`. Called when the layer is
+    ``layer.supports_jit = True`` on the synchronized layers (:func:`allow_xla`), together
+    with :class:`SkipMismatchedSteps` and :class:`MismatchCheck`. Called when the layer is
     made and when it is built, whichever happens inside the strategy's scope."""
     import tensorflow as tf
 
     if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
         layer.supports_jit = False
+
+
+def allow_xla(model):
+    """Opt in to XLA under a strategy: set ``supports_jit = True`` on every built
+    ``SyncBatchNormalization`` of ``model`` (a Keras model or layer: those whose moving
+    mean is among its weights), so that ``compile(jit_compile=True)`` compiles with XLA.
+    Only together with :class:`SkipMismatchedSteps` and :class:`MismatchCheck` (or
+    :func:`check_agreement`): inside XLA a layer disagreement cannot raise. Call it
+    after the model is built (TensorFlow backend). Returns the number of layers."""
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError("syncbn.keras.allow_xla: only the TensorFlow backend keeps fit off XLA "
+                           f"(this is the {keras.backend.backend()} backend: nothing to allow)")
+    mine = {id(w) for w in model.weights}
+    layers = [layer for layer in list(_records) if id(layer.moving_mean) in mine]
+    if not layers:
+        raise ValueError("syncbn.keras.allow_xla: the model has no built SyncBatchNormalization "
+                         "layer; build it first (call it on data, or model.build(shape))")
+    for layer in layers:
+        layer.supports_jit = True
+    return len(layers)
 
 
 def write(layer, ok, sums, tag, world, rank, backward):
