@@ -127,9 +127,15 @@ def memory_format(x: torch.Tensor):
 _FLOAT64_CHUNK = 1 << 17
 
 
-def _float64_sums(t: torch.Tensor):
+def _float64_sums(t: torch.Tensor, shift: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
     """Per-channel ``(sum t, sum t^2)`` accumulated in float64, for a standard-layout or
-    channels-last ``t`` (left as it is).
+    channels-last ``t`` (left as it is unless it is ``out``).
+
+    With ``shift`` (per channel), the sums are of ``t - shift`` instead, each block
+    subtracted just before it is converted and written to the same place in ``out`` (a
+    tensor laid out as ``t``, or ``t`` itself; None: a block-sized temporary): the values
+    and sums are those of ``t - shift`` made first in one pass, without reading it back
+    from memory.
 
     ``t`` is converted to float64 a cache-sized block at a time, so the sums hold whatever
     the plane size, CPU or BLAS: every product and partial sum is a float64 operation,
@@ -143,19 +149,31 @@ def _float64_sums(t: torch.Tensor):
     second = torch.zeros_like(first)
     if memory_format(t) is torch.contiguous_format:
         planes = t.reshape(t.shape[0], channels, -1)  # a view: (sample, channel, plane)
+        if shift is not None:
+            targets, shift = None if out is None else out.view(planes.shape), shift.view(1, channels, 1)
         width = max(1, _FLOAT64_CHUNK // channels)  # plane elements per block
         samples = max(1, _FLOAT64_CHUNK // planes[0].numel())  # whole samples per block
         for start in range(0, planes.shape[0], samples):
             for column in range(0, planes.shape[2], width):
-                block = planes[start : start + samples, :, column : column + width].to(torch.float64)
+                block = planes[start : start + samples, :, column : column + width]
+                if shift is not None:
+                    target = None if targets is None else targets[start : start + samples, :, column : column + width]
+                    block = torch.sub(block, shift, out=target)
+                block = block.to(torch.float64)
                 rows = block.view(-1, 1, block.shape[2])  # one dot product per (sample, channel)
                 first += block.sum((0, 2))
                 second += torch.bmm(rows, rows.transpose(1, 2)).view(-1, channels).sum(0)
     else:  # channels-last: the (element, channel) rows are contiguous
-        rows = t.permute(0, *range(2, t.dim()), 1).reshape(-1, channels)  # a view
+        order = (0, *range(2, t.dim()), 1)
+        rows = t.permute(order).reshape(-1, channels)  # a view
+        if shift is not None:
+            targets = None if out is None else out.permute(order).view(-1, channels)
         height = max(1, _FLOAT64_CHUNK // channels)
         for start in range(0, rows.shape[0], height):
-            block = rows[start : start + height].to(torch.float64)
+            block = rows[start : start + height]
+            if shift is not None:
+                block = torch.sub(block, shift, out=None if targets is None else targets[start : start + height])
+            block = block.to(torch.float64)
             first += block.sum(0)
             second += block.square().sum(0)
     return first, second
@@ -174,9 +192,10 @@ def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False, o
     dims = reduce_dims(xs.dim())
     n = xs.numel() // xs.shape[1]
     provisional = xs.sum(dims).div_(n)
-    shift = provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
-    centered = xs.sub_(shift) if overwrite else xs - shift
-    first, second = (sums.to(dtype) for sums in _float64_sums(centered))
+    # t = x - s is made block by block inside the float64 sums (one pass less); kept
+    # only where asked for
+    centered = xs if overwrite else torch.empty_like(xs) if keep else None
+    first, second = (sums.to(dtype) for sums in _float64_sums(xs, provisional, centered))
     mean = provisional.to(dtype) + first / n
     m2 = (second - first * first / n).clamp_min_(0)
     return (mean, m2, centered, provisional) if keep else (mean, m2)
