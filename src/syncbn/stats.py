@@ -131,11 +131,11 @@ def _float64_sums(t: torch.Tensor, shift: Optional[torch.Tensor] = None, out: Op
     """Per-channel ``(sum t, sum t^2)`` accumulated in float64, for a standard-layout or
     channels-last ``t`` (left as it is unless it is ``out``).
 
-    With ``shift`` (per channel), the sums are of ``t - shift`` instead, each block
-    subtracted just before it is converted and written to the same place in ``out`` (a
-    tensor laid out as ``t``, or ``t`` itself; None: a block-sized temporary): the values
-    and sums are those of ``t - shift`` made first in one pass, without reading it back
-    from memory.
+    With ``shift`` (per channel; channels-last ``t`` only), the sums are of ``t - shift``
+    instead, each block subtracted just before it is converted and written to the same
+    place in ``out`` (a tensor laid out as ``t``, or ``t`` itself; None: a block-sized
+    temporary): the values and sums are those of ``t - shift`` made first in one pass,
+    without reading it back from memory.
 
     ``t`` is converted to float64 a cache-sized block at a time, so the sums hold whatever
     the plane size, CPU or BLAS: every product and partial sum is a float64 operation,
@@ -148,18 +148,14 @@ def _float64_sums(t: torch.Tensor, shift: Optional[torch.Tensor] = None, out: Op
     first = torch.zeros(channels, dtype=torch.float64, device=t.device)
     second = torch.zeros_like(first)
     if memory_format(t) is torch.contiguous_format:
+        if shift is not None:  # private: centered_moments subtracts first in this layout
+            raise ValueError("_float64_sums: shift is for channels-last inputs only")
         planes = t.reshape(t.shape[0], channels, -1)  # a view: (sample, channel, plane)
-        if shift is not None:
-            targets, shift = None if out is None else out.view(planes.shape), shift.view(1, channels, 1)
         width = max(1, _FLOAT64_CHUNK // channels)  # plane elements per block
         samples = max(1, _FLOAT64_CHUNK // planes[0].numel())  # whole samples per block
         for start in range(0, planes.shape[0], samples):
             for column in range(0, planes.shape[2], width):
-                block = planes[start : start + samples, :, column : column + width]
-                if shift is not None:
-                    target = None if targets is None else targets[start : start + samples, :, column : column + width]
-                    block = torch.sub(block, shift, out=target)
-                block = block.to(torch.float64)
+                block = planes[start : start + samples, :, column : column + width].to(torch.float64)
                 rows = block.view(-1, 1, block.shape[2])  # one dot product per (sample, channel)
                 first += block.sum((0, 2))
                 second += torch.bmm(rows, rows.transpose(1, 2)).view(-1, channels).sum(0)
@@ -195,10 +191,17 @@ def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False, o
     dims = reduce_dims(xs.dim())
     n = xs.numel() // xs.shape[1]
     provisional = xs.sum(dims).div_(n)
-    # t = x - s is made block by block inside the float64 sums (one pass less); kept
-    # only where asked for
-    centered = xs if overwrite else torch.empty_like(xs) if keep else None
-    first, second = (sums.to(dtype) for sums in _float64_sums(xs, provisional, centered))
+    if memory_format(xs) is torch.contiguous_format:
+        # one subtraction pass first: faster here than subtracting strided blocks inside
+        # the float64 sums (measured 5-10% on the whole function)
+        shift = provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
+        centered = xs.sub_(shift) if overwrite else xs - shift
+        sums = _float64_sums(centered)
+    else:  # channels-last: t = x - s made block by block inside the float64 sums (one
+        # read of the activation less), kept only where asked for
+        centered = xs if overwrite else torch.empty_like(xs) if keep else None
+        sums = _float64_sums(xs, provisional, centered)
+    first, second = (part.to(dtype) for part in sums)
     mean = provisional.to(dtype) + first / n
     m2 = (second - first * first / n).clamp_min_(0)
     return (mean, m2, centered, provisional) if keep else (mean, m2)
