@@ -1224,27 +1224,42 @@ def fingerprint_xla_step():
     return info
 
 
+def convnet_training_data(seed):
+    """Inputs, labels and the initial weights of :func:`small_convnet` for the fit checks."""
+    import keras
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((32, 8, 8, 3)) + [3.0, -1.0, 5.0]).astype(np.float32)
+    y = rng.integers(0, 3, 32)
+    return x, y, small_convnet(keras.layers.BatchNormalization).get_weights()
+
+
+def converted_convnet(initial):
+    """:func:`small_convnet` with ``initial`` weights, converted (call inside a scope)."""
+    import keras
+
+    from syncbn.keras import convert
+
+    model = small_convnet(keras.layers.BatchNormalization)
+    model.set_weights(initial)
+    return convert(model)
+
+
 @check
 def fingerprint_guard_in_fit():
     """SkipMismatchedSteps and MismatchCheck in model.fit under MirroredStrategy(2)
     (whose optimizer merges in a cross-replica call): the weights and optimizer state
     after agreeing steps are bit for bit those of the plain optimizer, and every
-    layer's record holds no disagreement."""
+    layer's record holds no disagreement (MismatchCheck reads them after every batch)."""
     import keras
-    import tensorflow as tf
 
-    from syncbn.keras import MismatchCheck, SkipMismatchedSteps, check_agreement, convert
+    from syncbn.keras import MismatchCheck, SkipMismatchedSteps
 
-    rng = np.random.default_rng(11)
-    x = (rng.standard_normal((32, 8, 8, 3)) + [3.0, -1.0, 5.0]).astype(np.float32)
-    y = rng.integers(0, 3, 32)
-    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+    x, y, initial = convnet_training_data(11)
 
     def train(guard):
         with mirrored(2).scope():
-            model = small_convnet(keras.layers.BatchNormalization)
-            model.set_weights(initial)
-            model = convert(model)
+            model = converted_convnet(initial)
             optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
             model.compile(optimizer=SkipMismatchedSteps(optimizer) if guard else optimizer,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -1273,16 +1288,11 @@ def fit_under_a_strategy_keeps_off_xla():
 
     from syncbn.keras import SyncBatchNormalization, allow_xla, convert
 
-    rng = np.random.default_rng(12)
-    x = (rng.standard_normal((32, 8, 8, 3)) + [3.0, -1.0, 5.0]).astype(np.float32)
-    y = rng.integers(0, 3, 32)
-    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+    x, y, initial = convnet_training_data(12)
 
     def train(jit):
         with mirrored(2).scope():
-            model = small_convnet(keras.layers.BatchNormalization)
-            model.set_weights(initial)
-            model = convert(model)
+            model = converted_convnet(initial)
             synced = [l for l in all_layers(model) if isinstance(l, SyncBatchNormalization)]
             assert synced and all(l.supports_jit is False for l in synced), synced
             with warnings.catch_warnings(record=True) as caught:
