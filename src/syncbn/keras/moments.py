@@ -36,6 +36,7 @@ __all__ = [
     "element_mask",
     "per_channel_counts",
     "count_shape",
+    "safe_count",
     "element_count",
     "channel_sum",
     "centered_sums",
@@ -43,7 +44,6 @@ __all__ = [
     "batch_moments",
     "pack",
     "merge",
-    "input_grad",
     "train_normalize",
 ]
 
@@ -120,6 +120,12 @@ def element_count(inputs, axis: int, mask, dtype):
     return per_channel * ops.cast(ops.shape(inputs)[-1], dtype)
 
 
+def safe_count(count, ndim: int, axis: int):
+    """``max(count, 1)`` shaped to broadcast against an ``ndim``-dimensional input: the
+    divisor of per-channel sums (a channel that counts nothing divides zeros by 1)."""
+    return ops.reshape(at_least(count, 1.0), count_shape(ndim, axis))
+
+
 def centered_sums(x, axis: int, mask, count):
     """This replica's per-channel ``(m0, d, s, M2)``, each shaped to broadcast against ``x``.
 
@@ -132,7 +138,7 @@ def centered_sums(x, axis: int, mask, count):
     Masked-out elements never enter a sum (not even as ``0 * inf``). Every step is a
     differentiable op of ``x``.
     """
-    safe = ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
+    safe = safe_count(count, len(x.shape), axis)
     kept = x if mask is None else ops.where(mask, x, ops.zeros_like(x))
     m0 = channel_sum(kept, axis) / safe
     d = x - m0
@@ -187,7 +193,7 @@ def local_moments(x, axis: int, mask, count):
     """This replica's per-channel ``(mean, M2)``, shaped to broadcast against ``x``: those
     of :func:`centered_sums`, ``mean = m0 + s / n``."""
     m0, _, s, m2 = centered_sums(x, axis, mask, count)
-    safe = ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
+    safe = safe_count(count, len(x.shape), axis)
     return m0 + s / safe, m2
 
 
@@ -201,7 +207,7 @@ def batch_moments(x, axis: int, mask):
     channels = x.shape[axis]
     count = element_count(x, axis, mask, x.dtype)
     mean, m2 = local_moments(x, axis, mask, count)
-    var = m2 / ops.reshape(at_least(count, 1.0), count_shape(len(x.shape), axis))
+    var = m2 / safe_count(count, len(x.shape), axis)
     return ops.reshape(mean, (channels,)), ops.reshape(var, (channels,))
 
 
@@ -239,22 +245,6 @@ def merge(total, shift):
     return count, mean, var
 
 
-def input_grad(dy, xhat, scale, count, weights, sum_dy, sum_dy_xhat):
-    """The closed-form input gradient of batch norm in training,
-
-        dx = scale * (dy - w * (S1 + xhat * S2) / N),
-
-    with ``scale = gamma / sqrt(var + eps)``, ``w`` the 0/1 ``weights`` of counted
-    elements (None: all), ``N = count`` (clamped at 1), and ``S1 = sum dy``,
-    ``S2 = sum dy * xhat`` over every element of the channel on every replica (every
-    element is normalized with the batch statistics, counted or not). Everything is
-    already shaped to broadcast against ``dy``."""
-    correction = (sum_dy + xhat * sum_dy_xhat) / at_least(count, 1.0)
-    if weights is not None:
-        correction = correction * weights
-    return (dy - correction) * scale
-
-
 def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_reduce=None, count_dtype=None):
     """A training call's ``(y, mean, biased var)`` with a closed-form backward; ``mean``
     and ``var`` (vectors, in ``x``'s dtype) are for the moving averages and carry no
@@ -273,7 +263,8 @@ def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_
     - backward, from ``s1 = sum dy`` and ``t = sum dy * d`` (``sum dy * xhat`` is
       ``(t - delta * s1) / sqrt(var + eps)``), summed over the replicas by
       ``all_reduce`` (one call, ``2C`` values) when given, and with ``w`` the 0/1
-      weights of counted elements (see :func:`input_grad`):
+      weights of counted elements (every element is normalized with the batch
+      statistics, counted or not; only counted ones move them):
       ``dx = dy * scale - w * scale * (S1 + (d - delta) * S2 / sqrt(var + eps)) / N``,
       ``dgamma = sum dy * xhat``, ``dbeta = sum dy`` (this replica's sums).
 
@@ -297,7 +288,7 @@ def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_
         count = element_count(x, axis, mask, count_dtype or x.dtype)
         local_count = ops.cast(count, x.dtype)
         m0, d, s, m2 = centered_sums(x, axis, mask, local_count)
-        safe = ops.reshape(at_least(local_count, 1.0), cshape)
+        safe = safe_count(local_count, ndim, axis)
         if combine is None:
             n, delta = safe, s / safe
             mean, var = m0 + delta, m2 / safe
