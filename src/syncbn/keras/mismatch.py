@@ -90,8 +90,7 @@ def allow_xla(model):
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError("syncbn.keras.allow_xla: only the TensorFlow backend keeps fit off XLA "
                            f"(this is the {keras.backend.backend()} backend: nothing to allow)")
-    mine = {id(w) for w in model.weights}
-    layers = [layer for layer in list(_records) if id(layer.moving_mean) in mine]
+    layers = [layer for layer, _ in _entries_of(model)]
     if not layers:
         raise ValueError("syncbn.keras.allow_xla: the model has no built SyncBatchNormalization "
                          "layer; build it first (call it on data, or model.build(shape))")
@@ -139,6 +138,17 @@ def step_agrees():
     return tf.reduce_all(tf.equal(tf.stack(counts), 0.0))
 
 
+def _entries_of(model):
+    """``(layer, record entry)`` of every built synchronized layer of ``model`` (a Keras
+    model or layer: those whose moving mean is among its weights), or of this process
+    (``model`` None)."""
+    entries = list(_records.items())
+    if model is None:
+        return entries
+    mine = {id(w) for w in model.weights}
+    return [(layer, entry) for layer, entry in entries if id(layer.moving_mean) in mine]
+
+
 def check_agreement(model=None):
     """Raise :class:`~syncbn.layer_fingerprint.LayerMismatchError` if a synchronized
     call of a ``SyncBatchNormalization`` disagreed across the replicas inside an
@@ -148,11 +158,7 @@ def check_agreement(model=None):
     verdicts, so every worker raises alike. Call it after each compiled training step
     of a custom loop; ``fit`` does it with :class:`MismatchCheck`. One small host read
     per layer."""
-    entries = list(_records.items())
-    if model is not None:
-        mine = {id(w) for w in model.weights}
-        entries = [(layer, entry) for layer, entry in entries if id(layer.moving_mean) in mine]
-    for _, (name, channels, record) in entries:
+    for _, (name, channels, record) in _entries_of(model):
         values = record.numpy()
         if values[COUNT] == 0:
             continue
