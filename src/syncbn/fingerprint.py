@@ -199,8 +199,6 @@ def fixed_values(tag: Tag, dtype, device) -> Tensor:
     """The ``SIZE`` payload values of ``tag`` as a tensor (kept per tag, dtype, device),
     for a payload that the caller builds (:func:`all_reduce_checked` puts them last, the
     CUDA path first); :func:`pending_verdict` checks their sums."""
-    if distributed.compiling():
-        return torch.tensor(_values(tag), dtype=dtype, device=device)
     return stats.constant(_values, (tag,), dtype, device)
 
 
@@ -265,11 +263,7 @@ def _agree(sums: Tensor, tag: Tag, world: int) -> Tensor:
     - 2 d_own sum d + W d_own^2 = 0``, so every rank sent ``d_own``; where the ranks
     differ, that sum is positive on every rank, so every rank finds the disagreement. All
     values are integers, exact in the payload's dtype (see ``MAX_WORLD``)."""
-    if distributed.compiling():
-        expected = torch.tensor(_agreeing_sums(tag, world), dtype=sums.dtype, device=sums.device)
-    else:
-        expected = stats.constant(_agreeing_sums, (tag, world), sums.dtype, sums.device)
-    return torch.eq(sums, expected).all()
+    return torch.eq(sums, stats.constant(_agreeing_sums, (tag, world), sums.dtype, sums.device)).all()
 
 
 # ---- verdicts that wait on the device ------------------------------------------------

@@ -446,7 +446,11 @@ def constant(build, args: tuple, dtype: torch.dtype, device) -> torch.Tensor:
 
     The key is ``(build, args, dtype, device)``: everything the tensor is made from, so a
     kept tensor always holds what a new one would (``build`` must be a pure function of
-    ``args``). Callers only read the tensor, never write it. The store is bounded."""
+    ``args``). Callers only read the tensor, never write it. The store is bounded. While
+    ``torch.compile`` traces the caller, a new tensor each time (the graph holds it; a
+    kept one would be a Python-side cache under the trace)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(build(*args), dtype=dtype, device=device)
     key = (build, args, dtype, device)
     kept = _constants.get(key)
     if kept is None:
