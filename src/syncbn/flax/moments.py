@@ -115,24 +115,25 @@ def explicit_shards(x, axis: int) -> int:
 class Groups(NamedTuple):
     """Where one call's local sums are taken: ``x``'s reduction axis ``axis`` split into
     ``count`` equal groups, each summed on its own (``count`` is 1 with an ``axis_name``:
-    there each device is one group). See the module docstring for why."""
+    there each device is one group). See the module docstring for why. ``axis`` is the
+    first reduction axis (those before it are feature axes), so it is also where the
+    group axis lands in a per-group sum."""
 
     axis: int
     count: int
     inner: Tuple[int, ...]  # the reduction axes of the split array, within one group
-    position: int  # where the group axis lands in a per-group sum
 
     @classmethod
     def of(cls, x, reduction_axes: Sequence[int], axis_name: AxisName) -> "Groups":
         axes = tuple(sorted(reduction_axes))
         if not axes:
-            return cls(0, 1, (), 0)
+            return cls(0, 1, ())
         axis = axes[0]
         count = 1
         if axis_name is None:  # explicit sharding names the split; else any divisor will do
             count = explicit_shards(x, axis) or math.gcd(x.shape[axis], jax.device_count())
         inner = tuple(ax + 1 for ax in axes)
-        return cls(axis, count, inner, axis)  # axes before ``axis`` are feature axes
+        return cls(axis, count, inner)
 
     def split(self, v):
         """``v`` (of ``x``'s shape) with ``axis`` split into (``count``, size / ``count``),
@@ -144,7 +145,7 @@ class Groups(NamedTuple):
 
     def sum(self, v, dtype=None):
         """Per-group sums of an array of the split shape, group axis first."""
-        return jnp.moveaxis(jnp.sum(v, axis=self.inner, dtype=dtype), self.position, 0)
+        return jnp.moveaxis(jnp.sum(v, axis=self.inner, dtype=dtype), self.axis, 0)
 
 
 def valid_mask(x, mask):
@@ -184,7 +185,7 @@ def local_moments(x, mask, groups: Groups, dtype):
     d = _masked(xs - jnp.expand_dims(m1, axes), mask)
     a = jnp.sum(d, axis=axes)
     b = jnp.sum(d * d, axis=axes)
-    return tuple(jnp.moveaxis(v, groups.position, 0) for v in (n, m1, a, b))
+    return tuple(jnp.moveaxis(v, groups.axis, 0) for v in (n, m1, a, b))
 
 
 def union_moments(x, mask, reduction_axes: Sequence[int], dtype, axis_name: AxisName = None,
