@@ -4,7 +4,6 @@ see ``--xla_force_host_platform_device_count=4`` before it starts, and this pyte
 process may have started it already); each test below asserts one of them."""
 
 import importlib.util
-import json
 
 import pytest
 
@@ -23,6 +22,4 @@ def results():
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_flax(results, name):
-    info = harness.assert_check(*results, name)
-    if info:
-        print(f"{name}: {json.dumps(info, default=float)}")
+    harness.print_check(results, name)
