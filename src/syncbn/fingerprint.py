@@ -71,6 +71,7 @@ __all__ = [
     "STEP_CHECK",
     "all_reduce_checked",
     "check_world",
+    "check_now",
     "fixed_values",
     "payload_values",
     "pending_verdict",
@@ -237,6 +238,13 @@ def all_reduce_checked(packed: Tensor, group, tag: Tag, world: int, backward: bo
             _raise(tag, sums, world, distributed.group_rank(group), backward)
         return summed, None
     return summed, pending_verdict(sums, group, tag, world, backward)
+
+
+def check_now(sums: Tensor, group, tag: Tag, world: int, backward: bool = False) -> None:
+    """Read the ``SIZE`` summed fingerprint values of a CPU payload at once and raise
+    :class:`LayerMismatchError` (on every rank alike) unless every rank sent ``tag``."""
+    if [int(v) for v in sums.tolist()] != _agreeing_sums(tag, world):
+        _raise(tag, sums, world, distributed.group_rank(group), backward)
 
 
 def check_world(world: int) -> None:

@@ -31,6 +31,10 @@ __all__ = [
     "use_centered",
     "centered_moments",
     "local_moments",
+    "cpu_local_stats",
+    "far_from_zero",
+    "cpu_pack_moments",
+    "cpu_statistics",
     "compute_dtype",
     "accumulate_dtype",
     "pack_moments",
@@ -237,6 +241,60 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     return mean_hi, m2
 
 
+def cpu_local_stats(x: torch.Tensor):
+    """This rank's per-channel ``(mean, biased var)`` on the CPU, exact to float32
+    resolution whatever the plane size or offset, for a non-empty ``x`` (float32 for
+    half inputs; float64 where the centered moments are taken).
+
+    Standard layout: torch's statistics kernel (float64 accumulation, one pass for the
+    mean, one around it; the kernel BatchNorm2d itself runs). Its mean comes back rounded
+    to float32, about ``u |mean|`` (u = 2^-24): harmless to the merge unless |mean| is
+    well above the std (:func:`far_from_zero`, a read of C values), and there the
+    centered moments are taken instead. Channels-last (where the kernel accumulates in
+    float32, 8e-3 relative at |mean| / std = 1e4) always takes the centered moments."""
+    xs = x.float() if x.dtype in _HALF else x
+    if memory_format(xs) is torch.contiguous_format:
+        mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
+        if xs.dtype == torch.float64 or not far_from_zero(mean, var):
+            return mean, var
+    mean, m2 = centered_moments(xs, torch.float64)
+    return mean, m2.div_(xs.numel() // xs.shape[1])
+
+
+def cpu_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple) -> torch.Tensor:
+    """``[fixed, n, n * m, n * (var + m^2)]`` in ``dtype`` (:func:`pack_moments`'s
+    ``2C + 1`` values after the caller's ``fixed`` integers): one ``cat`` with a kept
+    constant, then ``n *`` and ``+ n m * m`` in place."""
+    size, channels = len(fixed), mean.shape[0]
+    payload = torch.cat([constant(_listed, (tuple(fixed) + (n,),), dtype, mean.device), mean, var])
+    scaled = payload[size + 1:].mul_(n)
+    scaled[channels:].addcmul_(scaled[:channels], mean)
+    return payload
+
+
+def cpu_statistics(summed: torch.Tensor, count: float, eps: float, cdtype: torch.dtype):
+    """From the group's sums ``[S1, S2]`` (:func:`cpu_pack_moments` summed, after the
+    count) and the count ``N`` (a number: read on the CPU at no cost): ``(mean, invstd,
+    unbiased var)`` in ``cdtype``. The biased variance ``S2 / N - mean^2`` is formed in
+    the sums' dtype (float64: that one cancellation loses about 1e-16 (|mean| / std)^2
+    relative), then converted; ``invstd`` and the unbiased variance are taken from it in
+    ``cdtype``, as :class:`torch.nn.BatchNorm2d` does from its own variance."""
+    rows = torch.div(summed.view(2, -1), count)  # [mean, E x^2]
+    rows[1].addcmul_(rows[0], rows[0], value=-1).clamp_min_(0)
+    mean, var = rows.to(cdtype)
+    return mean, torch.add(var, eps).rsqrt_(), var * (count / (count - 1))
+
+
+def far_from_zero(mean: torch.Tensor, var: torch.Tensor) -> bool:
+    """Whether ``|mean| > 16 sqrt(var)`` for some channel (a host read: CPU only).
+
+    Below that, a float32 rounding of the mean (``u |mean|``) is at most ``16 u`` of a
+    standard deviation (1e-6), and ``x * scale + (shift - mean * scale)`` rounds the
+    output by as little in units of its std. NaN statistics are not far: they
+    propagate as they are."""
+    return bool(torch.addcmul(var, mean, mean, value=-1.0 / 256).min() < 0)
+
+
 def pack_moments(x: torch.Tensor, dtype: torch.dtype, keep: bool = False, overwrite: bool = False):
     """This rank's ``[n, n*m, M2 + n*m^2]`` for every channel, as one flat tensor.
 
@@ -314,9 +372,9 @@ def affine(x: torch.Tensor, mean, scale, shift, out=None) -> torch.Tensor:
         shape = _channel_shape(x.dim(), x.shape[1])
         offset = torch.addcmul(shift, mean, scale, value=-1)
         return torch.addcmul(offset.view(shape), x, scale.view(shape), out=out)
-    ones = torch.ones_like(mean)
+    ones = constant(_ones, (mean.shape[0],), mean.dtype, mean.device)
     if out is None:
-        return F.batch_norm(x, mean, ones, scale, shift, False, 0.0, 0.0)
+        return torch.batch_norm(x, scale, shift, mean, ones, False, 0.0, 0.0, False)
     empty = x.new_empty(0, dtype=mean.dtype)
     return torch.ops.aten.native_batch_norm.out(
         x, scale, shift, mean, ones, False, 0.0, 0.0, out=out, save_mean=empty, save_invstd=empty.clone()
@@ -354,12 +412,11 @@ def input_grad(dy, x, weight, mean, invstd, sum_dy, sum_dy_xhat, count):
     """
     shape = _channel_shape(x.dim(), x.shape[1])
     cdtype = compute_dtype(x.dtype)
-    count = count.to(cdtype)
     a = invstd if weight is None else invstd * weight.to(cdtype)
-    b = -a * invstd * (sum_dy_xhat / count)
-    c = -a * (sum_dy / count)
-    xs = x.to(cdtype)  # half inputs: the bracket and the sum in float32
-    dx = affine(xs, mean, b, c)
+    per_element = torch.div(a, count).neg_()  # -a / N (the count stays a 0-d tensor)
+    c = sum_dy * per_element
+    b = torch.mul(sum_dy_xhat, invstd).mul_(per_element)
+    dx = affine(x.to(cdtype), mean, b, c)  # half inputs: the bracket and the sum in float32
     dx.addcmul_(dy, a.view(shape))
     return dx.to(x.dtype)
 
@@ -458,6 +515,10 @@ def constant(build, args: tuple, dtype: torch.dtype, device) -> torch.Tensor:
             _constants.clear()
         kept = _constants[key] = torch.tensor(build(*args), dtype=dtype, device=device)
     return kept
+
+
+def _ones(size: int) -> list:
+    return [1.0] * size
 
 
 def _listed(values: tuple) -> list:
