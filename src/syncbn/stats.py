@@ -219,14 +219,13 @@ def local_moments(x: torch.Tensor, dtype: torch.dtype):
     (about 6e-8 |mean| in float32); when |mean| >> std that rounding is as large as the
     differences between the ranks' means that the merge must resolve, so for inputs
     below float64 the rounding is measured and added back: ``x - mean`` is exact
-    where it matters (both close together), and its small sum is accurate. The CPU
-    inputs that :func:`use_centered` picks take :func:`centered_moments` instead (faster
-    in the standard layout, exact in channels-last, always corrected for the rounding of
-    the mean).
+    where it matters (both close together), and its small sum is accurate. On the CPU,
+    :func:`cpu_local_stats` (the kernel where it is exact, the centered moments elsewhere).
     """
     xs = x.float() if x.dtype in _HALF else x
-    if use_centered(xs):
-        return centered_moments(xs, dtype)
+    if xs.device.type == "cpu" and not _FORCE_CUDA_PATH:
+        mean, var = cpu_local_stats(xs)
+        return mean.to(dtype), var.to(dtype) * (x.numel() // x.shape[1])
     if x.device.type in NATIVE_KERNEL_DEVICES:
         mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
     else:  # portable composite ops (Welford) for every other backend
