@@ -126,8 +126,8 @@ def test_portable_path_matches_native_kernels(monkeypatch, dtype):
 
 
 LAYOUTS = {
-    "planar NCHW": lambda x: x,  # the centered moments on the CPU
-    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),  # centered too
+    "planar NCHW": lambda x: x,  # use_centered (the fused layer); the kernel in local_moments
+    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),  # centered
     "small planes": lambda x: x[:, :, :3, :3].contiguous(),  # native kernel (9 < 16 per plane)
     "(N, C)": lambda x: x[:, :, 0, 0].contiguous(),  # native kernel
 }
@@ -139,11 +139,9 @@ def test_local_moments_exact_in_every_layout(layout, ratio):
     """Each path gives float32 data's mean to ~1e-10 std and its M2 to a few float32
     roundings, against float64 two-pass statistics of the same values, at any offset.
 
-    Centered paths: float64 sums, errors ~1e-10. Native kernel (small planes, (N, C)):
-    it accumulates in double and returns float32 mean and variance (u/2 each); the
-    mean's rounding (u/2 * 1e4 std at most) is measured from ``x - mean`` and added back,
-    leaving the float32 sum of at most 1200 small residuals, ~1e-8 std; the variance,
-    taken around the rounded mean, is off by (u/2 * ratio)^2 ~ 1e-7 relative at most.
+    Centered moments (channels-last, and every layout at |mean| > 16 std): float64
+    sums, errors ~1e-10. Native kernel (standard layout near zero): float64 accumulation,
+    float32 mean and variance returned (u/2 each, u/2 * 16 std at most for the mean).
     Bounds 1e-6, a margin of 10."""
     gen = torch.Generator().manual_seed(3)
     x = LAYOUTS[layout]((torch.randn(3, 8, 20, 20, generator=gen, dtype=torch.float64) * 0.7 + 0.7 * ratio).float())
@@ -154,6 +152,60 @@ def test_local_moments_exact_in_every_layout(layout, ratio):
     n = x.numel() // x.shape[1]
     assert ((mean - ref_mean).abs() / ref_var.sqrt()).max() < 1e-6
     assert ((m2 / n - ref_var).abs() / ref_var).max() < 1e-6
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, 1e3, 1e4])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "(N, C)"])
+def test_cpu_local_stats_takes_the_kernel_only_where_it_is_exact(layout, ratio):
+    """The CPU path's local statistics: torch's kernel in the standard layout near zero
+    (its float32 results, bit for bit), the centered float64 moments in channels-last
+    (where the kernel accumulates in float32) and wherever some |mean| > 16 std (where the
+    kernel's rounded mean would move the merge); within 1e-6 of float64 statistics in
+    every case (mean in units of the std, variance relative)."""
+    gen = torch.Generator().manual_seed(11)
+    shape = (64, 6) if layout == "(N, C)" else (2, 6, 24, 24)
+    xd = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.5 + 0.5 * ratio
+    x = xd.float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    mean, var = stats.cpu_local_stats(x)
+    native = layout != "channels_last" and ratio < 16
+    assert mean.dtype == (torch.float32 if native else torch.float64)
+    if native:
+        kernel_mean, kernel_var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        assert torch.equal(mean, kernel_mean) and torch.equal(var, kernel_var)
+    ref_var, ref_mean = torch.var_mean(x.double(), dim=stats.reduce_dims(x.dim()), correction=0)
+    assert ((mean.double() - ref_mean).abs() / ref_var.sqrt()).max() < 1e-6
+    assert ((var.double() - ref_var).abs() / ref_var).max() < 1e-6
+
+
+def test_far_from_zero_threshold():
+    """16 standard deviations, either sign, any channel; NaN statistics are not far."""
+    var = torch.tensor([4.0, 1.0])
+    assert not stats.far_from_zero(torch.tensor([31.9, -15.9]), var)
+    assert stats.far_from_zero(torch.tensor([32.1, 0.0]), var)
+    assert stats.far_from_zero(torch.tensor([0.0, -16.1]), var)
+    assert stats.far_from_zero(torch.tensor([0.0, 1e-3]), torch.tensor([1.0, 0.0]))  # a constant channel
+    assert not stats.far_from_zero(torch.tensor([float("nan"), 0.0]), var)
+
+
+def test_cpu_pack_and_statistics_match_float64():
+    """Two ranks' packs summed give the union's mean, invstd and unbiased variance to
+    float32 rounding (a few u relative), at |mean| / std = 1e4."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [(torch.randn(3, 4, 7, 7, generator=gen, dtype=torch.float64) * 0.3 + 3e3 + r).float() for r in (0, 1)]
+    fixed = (1, 2, 3)
+    summed = sum(stats.cpu_pack_moments(*stats.cpu_local_stats(p), p.numel() // 4, torch.float64, fixed)
+                 for p in parts)
+    assert summed[:3].tolist() == [2, 4, 6] and summed[3].item() == 2 * 3 * 49
+    mean, invstd, unbiased = stats.cpu_statistics(summed[4:], summed[3].item(), 1e-5, torch.float32)
+    union = torch.cat(parts).double()
+    ref_var, ref_mean = torch.var_mean(union, dim=(0, 2, 3), correction=0)
+    n = union.numel() // 4
+    assert mean.dtype == invstd.dtype == unbiased.dtype == torch.float32
+    assert ((mean.double() - ref_mean).abs() / ref_var.sqrt()).max() < 1e-3  # u * 3e3 / 0.3 of the std
+    assert ((invstd.double() - (ref_var + 1e-5).rsqrt()).abs() * (ref_var + 1e-5).sqrt()).max() < 8 * U32
+    assert ((unbiased.double() - ref_var * n / (n - 1)).abs() / ref_var).max() < 8 * U32
 
 
 # ---- large planes, synchronized: the moments accumulate in float64 -------------------
