@@ -21,8 +21,9 @@ one, or not training: exactly ``torch.nn.functional.batch_norm``.
 ``torch.compile(..., fullgraph=True)`` traces all of it without a graph break: the
 autograd Function, its functional all-reduce each way, the running-buffer update (an
 input mutation the compiler writes back) and the local-moment kernel (through the
-``syncbn::pack_moments`` custom op). The one host read of the eager path, the count
-check of a rank holding at most one element per channel, becomes an assert inside the
+``syncbn::pack_moments`` custom op). The host reads of the eager CPU path (the global
+count, the fingerprint's verdict, whether some |mean| is far above the std) cost nothing
+on the CPU; under the compiler the count check and the verdict are asserts inside the
 graph.
 """
 

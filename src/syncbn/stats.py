@@ -98,18 +98,18 @@ def _mean_rounding_matters(mean, var, device) -> bool:
 
 
 def use_centered(x: torch.Tensor) -> bool:
-    """Whether this rank's moments come from :func:`centered_moments` rather than the
-    native statistics kernel: on the CPU, for 3D-5D inputs in the standard layout with
+    """Whether :func:`pack_moments` with ``keep=True`` (the fused layer) takes
+    :func:`centered_moments`: on the CPU, for 3D-5D inputs in the standard layout with
     planes of at least 16 elements per (sample, channel), and for channels-last inputs.
 
-    torch's CPU kernel walks a standard-layout channel with one scalar accumulator
-    (about 1 element per ns here, a tenth of what a vectorized reduction reads), so the
-    centered moments are faster there (their float64 sums convert cache-sized blocks,
-    see :func:`_float64_sums`). In channels-last it is vectorized but
-    accumulates ``(x - mean)^2`` in float32 one row after another: measured on float32
-    (8, 64, 56, 56), a relative error of the variance of 8e-6 at |mean| / std = 1 and
-    8e-3 at 1e4, where the centered moments stay below 1e-7.
-    Tiny planes and (N, C) inputs keep the native kernel."""
+    There the caller normalizes the centered tensor in place, which makes up for the
+    centered moments' extra work in the standard layout (torch's kernel walks a channel
+    with one scalar accumulator: about even with it, measured on (8, 256, 56, 56)), and
+    it is exact at any offset. In channels-last torch's kernel accumulates ``(x -
+    mean)^2`` in float32 one row after another: measured on float32 (8, 64, 56, 56), a
+    relative error of the variance of 8e-6 at |mean| / std = 1 and 8e-3 at 1e4, where the
+    centered moments stay below 1e-7. Tiny planes and (N, C) inputs keep the native
+    kernel. (The synchronized layer's own statistics: :func:`cpu_local_stats`.)"""
     if x.device.type != "cpu" or x.dim() < 3 or _FORCE_CUDA_PATH:
         return False
     if x.is_contiguous():
