@@ -78,6 +78,11 @@ def test_quick_times_every_installed_peer(quick):
         for world in (None, 1, 2):
             assert (key, world) in seen
     assert all(r["median_ms"] > 0 and r["repeats"] == rep["plan"]["repeats"] for r in rows)
+    # at W = 2 both layers' times without their all-reduces, each against BatchNorm2d alone
+    for key in ("syncbn_compute", "bn_collectives_compute"):
+        assert (key, 2) in seen and (key, None) not in seen, key
+        assert all(r["ratio_to_bn"] > 0 for r in rows if r["impl"] == key)
+    assert ("bn_collectives", 2) not in seen  # only its time without the all-reduces is a row
     refused = {(r["impl"], r["world"]) for r in rep["timing"]["refusals"]}
     # torch.nn.SyncBatchNorm refuses CPU inputs: a result, not a crash (or, one day, a row)
     assert ("torch_syncbn", 2) in refused or ("torch_syncbn", 2) in seen

@@ -32,6 +32,7 @@ PROBES = {
     "syncbn_act": "syncbn.SyncBatchNormAct(leaky_relu), fused",
     "collectives": "syncbn's two all-reduces alone (gloo)",
     "syncbn_compute": "syncbn.SyncBatchNorm minus its all-reduces (timed inside the call)",
+    "bn_collectives_compute": "torch.nn.BatchNorm2d with syncbn's two all-reduces made in its step, minus them",
 }
 ORDER = list(PEERS) + list(PROBES)
 
@@ -268,6 +269,11 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
     # the layer call, in the same blocks).
     ratio_bar("syncbn at W = 2 minus its two all-reduces (timed inside the call) within 1.3x of "
               "torch.nn.BatchNorm2d on the same per-rank batch", "syncbn_compute", 2, 1.3)
+    same_steps = summary.get(("bn_collectives_compute", 2))
+    if same_steps and same_steps["median_ratio_to_bn"] is not None and bars[-1]["passed"] is not None:
+        # beside it, what two blocking all-reduces in a step do to BatchNorm2d's own work
+        bars[-1]["figure"] += (f"; BatchNorm2d with the same two all-reduces in its step, minus them: median "
+                               f"{same_steps['median_ratio_to_bn']:.2f}x (no bar)")
 
     keras_rows = [r for r in timing["rows"] if r["impl"] == "keras_sync" and r["world"] == 2 and "ratio_to_syncbn" in r]
     name = "syncbn at W = 2 faster than Keras synchronized BN at 2 replicas, same global batch"

@@ -87,6 +87,40 @@ def timed_layer_step(layer, x, dy, blocks: list):
     return timed_step, sync
 
 
+def bn_collectives_step(channels: int, x, dy, group, blocks: list):
+    """torch.nn.BatchNorm2d with syncbn's two all-reduces (their sizes and dtypes, the
+    fingerprint included) made where a synchronized layer makes them, one after the
+    forward and one after the backward, their time recorded as :func:`timed_layer_step`
+    records syncbn's: what a step with two blocking collectives costs BatchNorm2d's own
+    work in the same processes (the reference that the all-reduces' side effects, not
+    their duration, would also burden)."""
+    from .. import fingerprint
+
+    layer = torch.nn.BatchNorm2d(channels)
+    inputs = (x, *layer.parameters())
+    forward = torch.zeros(2 * channels + 1 + fingerprint.SIZE, dtype=torch.float64)
+    backward = torch.zeros(2 * channels + fingerprint.SIZE, dtype=torch.float32)
+    state = {"spent": 0.0, "steps": 0}
+
+    def reduce(tensor):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        state["spent"] += time.perf_counter() - start
+
+    def step():
+        y = layer(x)
+        reduce(forward)
+        torch.autograd.grad(y, inputs, dy)
+        reduce(backward)
+        state["steps"] += 1
+
+    def sync():
+        blocks.append((state["spent"], state["steps"]))
+        state.update(spent=0.0, steps=0)
+
+    return step, sync
+
+
 def collectives_step(channels: int, group):
     """syncbn's communication alone: the forward and the backward all-reduce of one
     layer call, with their sizes and dtypes, and nothing else."""
@@ -212,6 +246,7 @@ def pool_timing(plan: dict, world: int):
     for i, point in enumerate(plan["points"]):
         candidates = {}
         blocks: list = []
+        bn_blocks: list = []
         for key in keys:
             x, dy = make_input(point, 1000 * dist.get_rank() + i)
             if key == "syncbn" and world > 1:
@@ -220,10 +255,16 @@ def pool_timing(plan: dict, world: int):
                 candidates[key] = layer_step(build(key, point["C"], group), x, dy)
         if world > 1:
             candidates["collectives"] = collectives_step(point["C"], group)
+            x, dy = make_input(point, 1000 * dist.get_rank() + i)
+            candidates["bn_collectives"] = bn_collectives_step(point["C"], x, dy, group, bn_blocks)
         times = measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"], agree, barrier)
-        if blocks:  # the timed blocks are the last ones; subtract their all-reduces per step
-            timed = blocks[-len(times["syncbn"]):]
-            times["syncbn_compute"] = [t - spent / max(steps, 1) for t, (spent, steps) in zip(times["syncbn"], timed)]
+        # the timed blocks are the last ones; subtract their all-reduces per step
+        for key, recorded, name in (("syncbn", blocks, "syncbn_compute"),
+                                    ("bn_collectives", bn_blocks, "bn_collectives_compute")):
+            if recorded:
+                timed = recorded[-len(times[key]):]
+                times[name] = [t - spent / max(steps, 1) for t, (spent, steps) in zip(times[key], timed)]
+        times.pop("bn_collectives", None)
         points.append(times)
     return {"world": world, "times": points, "refusals": refusals}
 
