@@ -269,20 +269,24 @@ def _listed(values: tuple) -> list:
     return list(values)
 
 
+def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, first: Tensor, second: Tensor, cuda: bool):
+    """The input gradient from this rank's backward sums ``(first, second)``, summed over
+    the group with the backward fingerprint in front (one all-reduce); the verdict read at
+    once on the CPU, left on the device on the CUDA path."""
+    fixed = fingerprint.fixed_values(ctx.tag, first.dtype, first.device)
+    size, channels = fixed.shape[0], first.shape[0]
+    packed = distributed.all_reduce_sum(torch.cat([fixed, first, second]), ctx.group)
+    verdict = fingerprint.pending_verdict if cuda else fingerprint.check_now
+    verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    grad = stats.cuda_input_grad if cuda else stats.input_grad
+    return grad(dy, x, weight, mean, invstd, packed[size:size + channels], packed[size + channels:], count)
+
+
 def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b):
-    channels = x.shape[1]
     sum_dy, sum_dy_xhat = stats.backward_sums(dy, x, mean, invstd)
-    dx = None
-    if need_x:
-        fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, x.device)
-        size = fixed.shape[0]
-        packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xhat]), ctx.group)
-        fingerprint.check_now(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
-        if x.numel() == 0:
-            dx = torch.zeros_like(x)
-        else:
-            dx = stats.input_grad(dy, x, weight, mean, invstd, packed[size:size + channels], packed[size + channels:],
-                                  count)
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xhat, False) if need_x else None
     dw = sum_dy_xhat.to(weight.dtype) if need_w else None
     db = sum_dy.to(ctx.bias_dtype) if need_b else None
     return dx, dw, db
@@ -323,17 +327,7 @@ def _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need
         db = torch.zeros(channels, dtype=ctx.bias_dtype, device=x.device) if need_b else None
     else:
         sum_dy, sum_dy_xmu, dw, db = stats.cuda_backward_reduce(dy, x, mean, invstd, weight, need_w, need_b)
-    dx = None
-    if need_x:
-        fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, x.device)
-        size = fixed.shape[0]
-        packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xmu]), ctx.group)
-        fingerprint.pending_verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
-        global_dy, global_dy_xmu = packed[size:size + channels], packed[size + channels:]
-        if x.numel() == 0:
-            dx = torch.zeros_like(x)
-        else:
-            dx = stats.cuda_input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xmu, count)
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, True) if need_x else None
     dw = None if dw is None else dw.to(weight.dtype)
     db = None if db is None else db.to(ctx.bias_dtype)
     return dx, dw, db
