@@ -242,31 +242,19 @@ def _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     _refuse_count(total, x.shape)
     mean_c, invstd, unbiased = stats.cpu_statistics(packed[size + 1:], total, eps, cdtype)
     count = packed[size]
-    if (running_mean is None or running_var is None or isinstance(momentum, Tensor)
-            or running_mean.dtype != cdtype or running_var.dtype != cdtype):
-        stats.cuda_update_running_stats(running_mean, running_var, mean_c, unbiased, momentum, None)
-    else:  # both buffers in one operation
-        torch._foreach_lerp_([running_mean, running_var], [mean_c, unbiased], momentum)
+    stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, None)
     if not n:
         return torch.empty_like(x), mean_c, invstd, count
     scale = invstd if weight is None else invstd * weight.to(cdtype)
-    shift = stats.constant(_zeros, (channels,), cdtype, x.device) if bias is None else bias.to(cdtype)
+    shift = stats.constant(stats._filled, (0.0, channels), cdtype, x.device) if bias is None else bias.to(cdtype)
     # in units of the std (var + eps = 1), is any |mean| above 16?
-    if not stats.far_from_zero(mean_c * invstd, stats.constant(_listed, ((1.0,),), cdtype, x.device)):
+    if not stats.far_from_zero(mean_c * invstd, stats.constant(stats._filled, (1.0, 1), cdtype, x.device)):
         return stats.affine(x, mean_c, scale, shift), mean_c, invstd, count
     # |mean| >> std: x - mean_c rounds relative to itself, and mean_c is the rounding of
     # the float64 mean: the rest of the difference, mean - mean_c, is small and exact
     rest = (packed[size + 1:size + 1 + channels] / count - mean_c).to(cdtype)
     centered = torch.sub(x.to(cdtype), mean_c.view(stats._channel_shape(x.dim(), channels)))
     return stats.affine(centered, rest, scale, shift, out=centered).to(x.dtype), mean_c, invstd, count
-
-
-def _zeros(channels: int) -> list:
-    return [0.0] * channels
-
-
-def _listed(values: tuple) -> list:
-    return list(values)
 
 
 def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, first: Tensor, second: Tensor, cuda: bool):
@@ -314,7 +302,7 @@ def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, gro
     ok = fingerprint.pending_verdict(packed[:size], group, tag, world)
     _check_count(packed[size], n, x.shape, device_side=True)
     mean_c, invstd, unbiased, count = stats.cuda_statistics(packed[size:], channels, eps, stats.compute_dtype(x.dtype))
-    stats.cuda_update_running_stats(running_mean, running_var, mean_c, unbiased, momentum, ok)
+    stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, ok)
     y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
     return y, mean_c, invstd, count
 

@@ -40,6 +40,7 @@ __all__ = [
     "pack_moments",
     "merge_moments",
     "update_running_stats",
+    "update_running_buffers",
     "affine",
     "backward_sums",
     "input_grad",
@@ -51,7 +52,6 @@ __all__ = [
     "cuda_local_stats",
     "cuda_pack_moments",
     "cuda_statistics",
-    "cuda_update_running_stats",
     "cuda_normalize",
     "cuda_backward_reduce",
     "cuda_input_grad",
@@ -278,9 +278,7 @@ def cpu_statistics(summed: torch.Tensor, count: float, eps: float, cdtype: torch
     the sums' dtype (float64: that one cancellation loses about 1e-16 (|mean| / std)^2
     relative), then converted; ``invstd`` and the unbiased variance are taken from it in
     ``cdtype``, as :class:`torch.nn.BatchNorm2d` does from its own variance."""
-    rows = torch.div(summed.view(2, -1), count)  # [mean, E x^2]
-    rows[1].addcmul_(rows[0], rows[0], value=-1).clamp_min_(0)
-    mean, var = rows.to(cdtype)
+    mean, var = _merged_rows(summed, count).to(cdtype)
     return mean, torch.add(var, eps).rsqrt_(), var * (count / (count - 1))
 
 
@@ -328,9 +326,16 @@ def merge_moments(packed: torch.Tensor, channels: int):
     never make it negative.
     """
     count = packed[0]
-    mean = packed[1 : channels + 1] / count
-    var = (packed[channels + 1 :] / count - mean * mean).clamp_min_(0)
+    mean, var = _merged_rows(packed[1 : 2 * channels + 1], count)
     return count, mean, var
+
+
+def _merged_rows(sums: torch.Tensor, count) -> torch.Tensor:
+    """``[mean, biased var]`` as one (2, C) tensor from the summed ``[S1, S2]`` and the
+    count (a 0-d tensor or a number): ``S1 / N`` and ``S2 / N - mean^2``, clamped at 0."""
+    rows = torch.div(sums.view(2, -1), count)  # [mean, E x^2]
+    rows[1].addcmul_(rows[0], rows[0], value=-1).clamp_min_(0)
+    return rows
 
 
 @torch.no_grad()
@@ -371,7 +376,7 @@ def affine(x: torch.Tensor, mean, scale, shift, out=None) -> torch.Tensor:
         shape = _channel_shape(x.dim(), x.shape[1])
         offset = torch.addcmul(shift, mean, scale, value=-1)
         return torch.addcmul(offset.view(shape), x, scale.view(shape), out=out)
-    ones = constant(_ones, (mean.shape[0],), mean.dtype, mean.device)
+    ones = constant(_filled, (1.0, mean.shape[0]), mean.dtype, mean.device)
     if out is None:
         return torch.batch_norm(x, scale, shift, mean, ones, False, 0.0, 0.0, False)
     empty = x.new_empty(0, dtype=mean.dtype)
@@ -516,8 +521,8 @@ def constant(build, args: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     return kept
 
 
-def _ones(size: int) -> list:
-    return [1.0] * size
+def _filled(value: float, size: int) -> list:
+    return [value] * size
 
 
 def _listed(values: tuple) -> list:
@@ -609,9 +614,9 @@ def cuda_statistics(summed: torch.Tensor, channels: int, eps: float, cdtype: tor
 
 
 @torch.no_grad()
-def cuda_update_running_stats(running_mean, running_var, mean, unbiased, momentum, ok) -> None:
-    """The running buffers moved towards ``mean`` and ``unbiased`` by ``momentum`` where
-    ``ok`` (a 0-d bool tensor; None: always): both lerps in one ``_foreach_lerp`` (a
+def update_running_buffers(running_mean, running_var, mean, unbiased, momentum, ok) -> None:
+    """The running buffers (CPU and CUDA paths) moved towards ``mean`` and ``unbiased``
+    by ``momentum`` where ``ok`` (a 0-d bool tensor; None: always): both lerps in one ``_foreach_lerp`` (a
     float momentum and the buffers in the statistics' dtype), then one ``torch.where`` per
     buffer that keeps it bit for bit where ``ok`` is false (:func:`move_buffer`)."""
     pairs = [(b, v) for b, v in ((running_mean, mean), (running_var, unbiased)) if b is not None]
