@@ -57,68 +57,68 @@ def layer_step(layer, x, dy):
     return step, (lambda: None)  # eager CPU torch: done when the call returns
 
 
+class _ReduceClock:
+    """Seconds spent in all-reduces over a block of steps: :meth:`timed` runs and times
+    one, :meth:`sync` (a block's end) appends ``(seconds in all-reduces, steps)`` to
+    ``blocks`` and starts the next block."""
+
+    def __init__(self, blocks: list):
+        self.blocks, self.spent, self.steps = blocks, 0.0, 0
+
+    def timed(self, reduce, *args, **kwargs):
+        start = time.perf_counter()
+        out = reduce(*args, **kwargs)
+        self.spent += time.perf_counter() - start
+        return out
+
+    def sync(self):
+        self.blocks.append((self.spent, self.steps))
+        self.spent, self.steps = 0.0, 0
+
+
 def timed_layer_step(layer, x, dy, blocks: list):
-    """:func:`layer_step` that also times syncbn's all-reduces inside the call: each block
-    (closed by ``sync``) appends ``(seconds in all-reduces, steps)`` to ``blocks``."""
+    """:func:`layer_step` that also times syncbn's all-reduces inside the call (per
+    block, in ``blocks``: see :class:`_ReduceClock`)."""
     from .. import distributed
 
     step, _ = layer_step(layer, x, dy)
-    state = {"spent": 0.0, "steps": 0}
+    clock = _ReduceClock(blocks)
     reduce = distributed.all_reduce_sum
 
-    def timed(tensor, group=None):
-        start = time.perf_counter()
-        out = reduce(tensor, group)
-        state["spent"] += time.perf_counter() - start
-        return out
-
     def timed_step():
-        distributed.all_reduce_sum = timed
+        distributed.all_reduce_sum = lambda tensor, group=None: clock.timed(reduce, tensor, group)
         try:
             step()
         finally:
             distributed.all_reduce_sum = reduce
-        state["steps"] += 1
+        clock.steps += 1
 
-    def sync():
-        blocks.append((state["spent"], state["steps"]))
-        state.update(spent=0.0, steps=0)
-
-    return timed_step, sync
+    return timed_step, clock.sync
 
 
 def bn_collectives_step(channels: int, x, dy, group, blocks: list):
     """torch.nn.BatchNorm2d with syncbn's two all-reduces (their sizes and dtypes, the
     fingerprint included) made where a synchronized layer makes them, one after the
-    forward and one after the backward, their time recorded as :func:`timed_layer_step`
-    records syncbn's: what a step with two blocking collectives costs BatchNorm2d's own
-    work in the same processes (the reference that the all-reduces' side effects, not
-    their duration, would also burden)."""
+    forward and one after the backward, timed as :func:`timed_layer_step` times syncbn's:
+    what a step with two blocking collectives costs BatchNorm2d's own work in the same
+    processes (the reference that the all-reduces' side effects, not their duration,
+    would also burden)."""
     from .. import fingerprint
 
     layer = torch.nn.BatchNorm2d(channels)
     inputs = (x, *layer.parameters())
     forward = torch.zeros(2 * channels + 1 + fingerprint.SIZE, dtype=torch.float64)
     backward = torch.zeros(2 * channels + fingerprint.SIZE, dtype=torch.float32)
-    state = {"spent": 0.0, "steps": 0}
-
-    def reduce(tensor):
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        state["spent"] += time.perf_counter() - start
+    clock = _ReduceClock(blocks)
 
     def step():
         y = layer(x)
-        reduce(forward)
+        clock.timed(dist.all_reduce, forward, group=group)
         torch.autograd.grad(y, inputs, dy)
-        reduce(backward)
-        state["steps"] += 1
+        clock.timed(dist.all_reduce, backward, group=group)
+        clock.steps += 1
 
-    def sync():
-        blocks.append((state["spent"], state["steps"]))
-        state.update(spent=0.0, steps=0)
-
-    return step, sync
+    return step, clock.sync
 
 
 def collectives_step(channels: int, group):
