@@ -3,7 +3,8 @@ and backward) on CPU with gloo, W = 2, ends where eager ends, with one all-reduc
 way per layer call inside the compiled graphs.
 
 Compiling costs tens of seconds on two cores, so there is one compiled model (tiny, the
-default inductor backend) and one compile per worker for the whole test."""
+default inductor backend) and one compile per worker for the whole test; a third run
+mixes them (rank 0 eager, rank 1 compiled)."""
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,15 @@ def compile_job():
     rank = dist.get_rank()
     eager = syncbn.convert_sync_batchnorm(tiny(), process_group=group)
     compiled_model = syncbn.convert_sync_batchnorm(tiny(), process_group=group)
+    start = {k: v.clone() for k, v in compiled_model.state_dict().items()}
     torch._dynamo.reset()
     step = torch.compile(compiled_model, fullgraph=True)  # raises on any graph break
-    return {"eager": train(eager, eager, rank), "compiled": train(compiled_model, step, rank)}
+    out = {"eager": train(eager, eager, rank), "compiled": train(compiled_model, step, rank)}
+    # a group whose ranks differ: rank 0 eager, rank 1 compiled (same graphs, restarted)
+    mixed = syncbn.convert_sync_batchnorm(tiny(), process_group=group) if rank == 0 else compiled_model
+    mixed.load_state_dict(start)
+    out["mixed"] = train(mixed, mixed if rank == 0 else step, rank)
+    return out
 
 
 def test_compiled_training_step_equals_eager(pool):
@@ -83,6 +90,15 @@ def test_compiled_training_step_equals_eager(pool):
         # one all-reduce forward and one backward per step, compiled as in eager
         assert eager["collectives"] == [["all_reduce", "all_reduce"]] * STEPS
         assert compiled["collectives"] == eager["collectives"], rank
+    # one rank eager and the other compiled (a rank whose compiled graph fell back to
+    # eager, say): every path sends the same payload, so the step is still the eager one
+    for rank, r in enumerate(results):
+        for a, b in zip(r["mixed"]["outs"], r["eager"]["outs"]):
+            torch.testing.assert_close(a, b, **tol)
+        for key, ref in r["eager"]["state"].items():
+            torch.testing.assert_close(r["mixed"]["state"][key], ref, **tol, msg=key)
+        for key, ref in r["eager"]["grads"].items():
+            torch.testing.assert_close(r["mixed"]["grads"][key], ref, **tol, msg=key)
     # no gradient averaging here, so only the buffers are shared by the two ranks
     for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
         assert torch.equal(results[0]["compiled"]["state"][key], results[1]["compiled"]["state"][key]), key

@@ -86,9 +86,10 @@ def test_bad_dims_raise_before_any_collective(pool):
 
 
 def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
-    import contextlib
-
-    from syncbn import stats
+    """One training step of SyncBatchNorm(5). ``forced``: the CUDA path on this rank (a
+    bool), or each rank's path, a tuple of "cuda" (forced), "cpu" and "portable" (the
+    path that torch.compile traces and other devices take)."""
+    from syncbn import fingerprint
 
     group = group_of(world)
     if not in_group(world):
@@ -96,6 +97,21 @@ def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
     import syncbn
 
     rank = dist.get_rank()
+    path = forced[rank] if isinstance(forced, tuple) else ("cuda" if forced else "cpu")
+    if path == "portable":
+        fingerprint.IMMEDIATE_DEVICES.discard("cpu")
+    try:
+        return _cuda_path_step(group, rank, layout, sizes, dtype, ratio, path == "cuda", tail)
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.add("cpu")
+
+
+def _cuda_path_step(group, rank, layout, sizes, dtype, ratio, forced, tail):
+    import contextlib
+
+    import syncbn
+    from syncbn import stats
+
     gen = torch.Generator().manual_seed(3 + rank)
     x = (torch.randn(sizes[rank], 5, *tail, generator=gen, dtype=torch.float64) * 2 + 2 * ratio).to(dtype)
     if layout == "channels_last":
@@ -117,8 +133,8 @@ def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("sizes", [(3, 2, 4), (4, 0, 1), (0, 3, 2)])
 def test_cuda_path_matches_the_cpu_path_in_float64(pool, layout, sizes):
-    """float64, W = 3 with an empty rank (rank 0 too: its payload's second count, n - 1,
-    makes the group's sum N - 1 for the unbiased variance): the CUDA path (torch's
+    """float64, W = 3 with an empty rank (rank 0 too; the unbiased variance's N - 1 comes
+    from the summed count, whichever rank is empty): the CUDA path (torch's
     statistics kernel, the stand-ins of its normalizing and backward kernels) gives the
     CPU path's output, gradients and buffers to rounding: both compute the same formulas
     in float64, a few 2^-53 times n (at most 42 per rank) and |mean| / std = 1 apart;
@@ -127,6 +143,23 @@ def test_cuda_path_matches_the_cpu_path_in_float64(pool, layout, sizes):
     cpu = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, False)[:3]
     for a, b in zip(cuda, cpu):
         assert a["format_kept"]
+        for key in ("y", "dx", "dw", "db", "running_var"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("paths", [("cpu", "portable", "cuda"), ("portable", "cuda", "cpu")])
+@pytest.mark.parametrize("sizes", [(3, 2, 4), (0, 3, 2)])
+def test_ranks_on_different_paths_sum_alike(pool, layout, paths, sizes):
+    """Every path sends the same payloads (fingerprint first; [n, n m, n (var + m^2)]
+    forward, [sum dy, sum dy (x - mean)] backward), so a group whose ranks take different
+    paths (one compiled, another eager, say; here the CPU path, the portable path that
+    torch.compile traces, and the CUDA path forced) trains as one that takes the CPU path
+    on every rank: float64, bound 1e-12 as above. A payload laid out otherwise on one path
+    raises LayerMismatchError or mixes sums of different meanings (off by O(1))."""
+    mixed = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, paths)[:3]
+    cpu = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, False)[:3]
+    for a, b in zip(mixed, cpu):
         for key in ("y", "dx", "dw", "db", "running_var"):
             torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12, msg=key)
 

@@ -4,9 +4,12 @@ Each training call of a synchronized layer is one all-reduce forward and one bac
 and ranks pair them up by order alone. A rank that calls the layers in another order
 (a data-dependent branch, ``if rank == 0:`` code, a model built differently) would
 otherwise mix the statistics of different layers without any error. So every packed
-payload carries, after its 2C+1 (forward) or 2C (backward) values, a fingerprint of the
+payload carries, before its 2C+1 (forward) or 2C (backward) values, a fingerprint of the
 call: ``DIGITS`` small integers and their squares, ``SIZE = 2 * DIGITS`` values in the
-payload's own dtype. No extra collective, a constant number of extra values.
+payload's own dtype. No extra collective, a constant number of extra values. Every code
+path (CPU, CUDA, portable, compiled) sends the same payload, fingerprint first, then
+``[n, n m, n (var + m^2)]`` forward and ``[sum dy, sum dy (x - mean)]`` backward, so ranks
+on different paths (one compiled, one eager, say) still sum like with like.
 
 What is fingerprinted (a :class:`Tag`, two integers):
 
@@ -198,8 +201,8 @@ def reset() -> None:
 
 def fixed_values(tag: Tag, dtype, device) -> Tensor:
     """The ``SIZE`` payload values of ``tag`` as a tensor (kept per tag, dtype, device),
-    for a payload that the caller builds (:func:`all_reduce_checked` puts them last, the
-    CUDA path first); :func:`pending_verdict` checks their sums."""
+    for a payload that the caller builds (first, as :func:`all_reduce_checked` puts
+    them); :func:`pending_verdict` checks their sums."""
     return stats.constant(_values, (tag,), dtype, device)
 
 
@@ -222,10 +225,10 @@ def all_reduce_checked(packed: Tensor, group, tag: Tag, world: int, backward: bo
     gates the running buffers (:func:`syncbn.stats.update_running_stats`).
     """
     check_world(world)
-    size = packed.shape[0]
-    payload = torch.cat([packed, fixed_values(tag, packed.dtype, packed.device)])
+    # the fingerprint first, as every path puts it (a compiled rank and an eager one sum alike)
+    payload = torch.cat([fixed_values(tag, packed.dtype, packed.device), packed])
     payload = distributed.all_reduce_sum(payload, group)
-    summed, sums = payload[:size], payload[size:]
+    sums, summed = payload[:SIZE], payload[SIZE:]
     if distributed.compiling():
         ok = _agree(sums, tag, world)
         torch._assert_async(ok, _compiled_message(tag, backward))

@@ -197,19 +197,21 @@ class _SyncBatchNorm(torch.autograd.Function):
             dx, dw, db = _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b)
             fingerprint.end_step(ctx.group)
             return dx, dw, db, None, None, None, None, None, None
-        sum_dy, sum_dy_xhat = stats.backward_sums(dy, x, mean, invstd)
+        # the backward payload of every path: sum dy and sum dy (x - mean) (the CUDA
+        # kernels' sums), so that a compiled rank and an eager one sum alike
+        sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))
 
         dx = None
         if need_x:
             channels = x.shape[1]
-            packed = torch.cat([sum_dy, sum_dy_xhat])
+            packed = torch.cat([sum_dy, sum_dy_xmu])
             packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
-            global_dy, global_dy_xhat = packed[:channels], packed[channels:]
+            global_dy, global_dy_xhat = packed[:channels], packed[channels:] * invstd
             if x.numel() == 0:
                 dx = torch.zeros_like(x)
             else:
                 dx = stats.input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
-        dw = sum_dy_xhat.to(weight.dtype) if need_w else None
+        dw = (sum_dy_xmu * invstd).to(weight.dtype) if need_w else None
         db = sum_dy.to(ctx.bias_dtype) if need_b else None
         fingerprint.end_step(ctx.group)
         return dx, dw, db, None, None, None, None, None, None
@@ -257,25 +259,34 @@ def _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     return stats.affine(centered, rest, scale, shift, out=centered).to(x.dtype), mean_c, invstd, count
 
 
-def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, first: Tensor, second: Tensor, cuda: bool):
-    """The input gradient from this rank's backward sums ``(first, second)``, summed over
-    the group with the backward fingerprint in front (one all-reduce); the verdict read at
-    once on the CPU, left on the device on the CUDA path."""
-    fixed = fingerprint.fixed_values(ctx.tag, first.dtype, first.device)
-    size, channels = fixed.shape[0], first.shape[0]
-    packed = distributed.all_reduce_sum(torch.cat([fixed, first, second]), ctx.group)
+def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy: Tensor, sum_dy_xmu: Tensor, cuda: bool):
+    """The input gradient from this rank's backward sums ``(sum dy, sum dy (x - mean))``,
+    summed over the group with the backward fingerprint in front (one all-reduce); the
+    verdict read at once on the CPU, left on the device on the CUDA path. Every path sends
+    these two sums (the CUDA kernels' own; the others convert from ``sum dy xhat``), so
+    ranks on different paths (one compiled, one eager) sum alike."""
+    fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, sum_dy.device)
+    size, channels = fixed.shape[0], sum_dy.shape[0]
+    packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xmu]), ctx.group)
     verdict = fingerprint.pending_verdict if cuda else fingerprint.check_now
     verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
     if x.numel() == 0:
         return torch.zeros_like(x)
-    grad = stats.cuda_input_grad if cuda else stats.input_grad
-    return grad(dy, x, weight, mean, invstd, packed[size:size + channels], packed[size + channels:], count)
+    total_dy, total_dy_xmu = packed[size:size + channels], packed[size + channels:]
+    if cuda:
+        return stats.cuda_input_grad(dy, x, weight, mean, invstd, total_dy, total_dy_xmu, count)
+    return stats.input_grad(dy, x, weight, mean, invstd, total_dy, total_dy_xmu * invstd, count)
+
+
+def _ones_like(invstd: Tensor) -> Tensor:
+    """Ones in place of ``invstd``: :func:`stats.backward_sums` then gives ``sum dy (x - mean)``."""
+    return stats.constant(stats._filled, (1.0, invstd.shape[0]), invstd.dtype, invstd.device)
 
 
 def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b):
-    sum_dy, sum_dy_xhat = stats.backward_sums(dy, x, mean, invstd)
-    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xhat, False) if need_x else None
-    dw = sum_dy_xhat.to(weight.dtype) if need_w else None
+    sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))  # sum dy (x - mean)
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, False) if need_x else None
+    dw = (sum_dy_xmu * invstd).to(weight.dtype) if need_w else None
     db = sum_dy.to(ctx.bias_dtype) if need_b else None
     return dx, dw, db
 
@@ -284,9 +295,10 @@ def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_
 # Per call, forward: the statistics kernel, the payload (one cat, two addcmul),
 # the all-reduce, the fingerprint verdict (2), the merge (5), the running buffers (3) and
 # batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
-# verdict (2), the integer count and batch_norm_backward_elemt. The payload puts the
-# fingerprint first: [fingerprint, n, n - 1 | n, n m, n (var + m^2)] forward,
-# [fingerprint, sum dy, sum dy (x - mean)] backward.
+# verdict (2), the integer count and batch_norm_backward_elemt. The payloads are those of
+# every path (so that ranks on different paths, compiled and eager, sum alike):
+# [fingerprint, n, n m, n (var + m^2)] forward, [fingerprint, sum dy, sum dy (x - mean)]
+# backward.
 
 
 def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, tag, world):
@@ -296,8 +308,7 @@ def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, gro
     mean, var = stats.cuda_local_stats(x)
     fixed = fingerprint.payload_values(tag)
     size = len(fixed)
-    first = distributed.group_rank(group) == 0
-    packed = stats.cuda_pack_moments(mean, var, n, stats.accumulate_dtype(x.device), fixed, first)
+    packed = stats.cuda_pack_moments(mean, var, n, stats.accumulate_dtype(x.device), fixed)
     packed = distributed.all_reduce_sum(packed, group)
     ok = fingerprint.pending_verdict(packed[:size], group, tag, world)
     _check_count(packed[size], n, x.shape, device_side=True)

@@ -529,13 +529,17 @@ def _listed(values: tuple) -> list:
     return list(values)
 
 
-def _pack_offset(fixed: tuple, first: bool, channels: int) -> list:
-    # the fixed values, then 0 and -1 on the group's first rank (the counts n and n - 1)
-    return list(fixed) + [0, -int(first)] + [0] * (2 * channels)
+def _pack_offset(fixed: tuple, channels: int) -> list:
+    # the fixed values, then zeros for the count and the sums
+    return list(fixed) + [0] * (1 + 2 * channels)
 
 
 def _pack_mask(size: int, channels: int) -> list:
-    return [0] * size + [1] * (2 + 2 * channels)
+    return [0] * size + [1] * (1 + 2 * channels)
+
+
+def _count_offsets() -> list:
+    return [0.0, 1.0]
 
 
 def _eps_rows(eps: float) -> list:
@@ -556,20 +560,19 @@ def cuda_local_stats(x: torch.Tensor):
     return torch.batch_norm_update_stats(x, None, None, 0.0)
 
 
-def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple, first: bool) -> torch.Tensor:
-    """``[fixed, n, n - first, n * m, n * (var + m^2)]`` in ``dtype`` (the payload of
-    :func:`pack_moments` with two counts, after the caller's ``fixed`` integers, kept
-    exactly) in three C-sized operations:
+def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple) -> torch.Tensor:
+    """``[fixed, n, n * m, n * (var + m^2)]`` in ``dtype`` (the payload of every other
+    path, :func:`cpu_pack_moments` and :func:`pack_moments` after the caller's ``fixed``
+    integers, so that ranks on different paths sum alike) in three C-sized operations:
 
-        rows    = [fixed, 1, 1, m, var]                                      (cat)
-        payload = [fixed, 0, -first, 0...] + n * rows * [0..., 1, 1, 1...]   (addcmul)
-        payload[n (var + m^2) part] += n * m * m                             (addcmul_)
+        rows    = [fixed, 1, m, var]                                  (cat)
+        payload = [fixed, 0...] + n * rows * [0..., 1, 1...]          (addcmul)
+        payload[n (var + m^2) part] += n * m * m                      (addcmul_)
 
     (the mask's zeros meet only the finite fixed values, so a NaN statistic never reaches
-    the fixed part: the fingerprint's verdict stays exact). The vectors are kept device constants that do not depend on ``n`` (a batch of another
-    size makes none); the ``addcmul`` also converts to ``dtype``. ``first``: this rank is
-    the group's rank 0, so the second count sums to N - 1 over the group (for the unbiased
-    variance).
+    the fixed part: the fingerprint's verdict stays exact). The vectors are kept device
+    constants that do not depend on ``n`` (a batch of another size makes none); the
+    ``addcmul`` also converts to ``dtype``.
 
     For float32 statistics the float64 products are exact (a float32 value times an
     integer below 2^29) but for ``n * m^2``, rounded once. No residual pass for the
@@ -582,20 +585,21 @@ def cuda_pack_moments(mean, var, n: int, dtype: torch.dtype, fixed: tuple, first
     torch.nn.SyncBatchNorm merges float32 means the same way. The CPU path measures the
     rounding and adds it back (:func:`local_moments`)."""
     channels, size, device = mean.shape[0], len(fixed), mean.device
-    rows = torch.cat([constant(_listed, (tuple(fixed) + (1, 1),), mean.dtype, device), mean, var])
-    payload = torch.addcmul(constant(_pack_offset, (tuple(fixed), bool(first), channels), dtype, device),
+    rows = torch.cat([constant(_listed, (tuple(fixed) + (1,),), mean.dtype, device), mean, var])
+    payload = torch.addcmul(constant(_pack_offset, (tuple(fixed), channels), dtype, device),
                             rows, constant(_pack_mask, (size, channels), dtype, device), value=n)
     if n:
-        payload[size + 2 + channels:].addcmul_(mean, mean, value=n)
+        payload[size + 1 + channels:].addcmul_(mean, mean, value=n)
     return payload
 
 
 def cuda_statistics(summed: torch.Tensor, channels: int, eps: float, cdtype: torch.dtype):
-    """From the group's sums ``[N, N - 1, S1, S2]`` (:func:`cuda_pack_moments` summed):
+    """From the group's sums ``[N, S1, S2]`` (:func:`cuda_pack_moments` summed):
     ``(mean, invstd, unbiased var, count)``, the first three in ``cdtype`` (what the
     normalizing kernels and the running buffers take), the global count as a 0-d tensor.
-    Five C-sized operations, no host read:
+    Six C-sized operations, no host read:
 
+        [N, N - 1]             = N - [0, 1]                                   (sub)
         [mean, a, E2 + eps, F] = [[0, 0], [eps, 0]] + [S1, S2] / [N, N - 1]   (addcdiv)
         [var + eps, unbiased]  = [E2 + eps, F] - [mean, a] * mean             (addcmul_)
 
@@ -603,8 +607,8 @@ def cuda_statistics(summed: torch.Tensor, channels: int, eps: float, cdtype: tor
     both clamped below at [eps, 0], then ``rsqrt``, all in the sums' dtype (float64:
     the one cancellation, ``E2 - mean^2``, loses about 1e-16 (|mean| / std)^2 relative),
     and one conversion to ``cdtype``."""
-    sums = summed[2:].view(2, 1, channels)
-    counts = summed[:2].view(1, 2, 1)
+    sums = summed[1:].view(2, 1, channels)
+    counts = torch.sub(summed[:1], constant(_count_offsets, (), summed.dtype, summed.device)).view(1, 2, 1)
     rows = torch.addcdiv(constant(_eps_rows, (eps,), summed.dtype, summed.device), sums, counts).view(4, channels)
     rows[2:].addcmul_(rows[:2], rows[:1], value=-1)
     rows[2:].clamp_min_(constant(_floors, (eps,), summed.dtype, summed.device))
