@@ -102,3 +102,45 @@ def test_compiled_training_step_equals_eager(pool):
     # no gradient averaging here, so only the buffers are shared by the two ranks
     for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
         assert torch.equal(results[0]["compiled"]["state"][key], results[1]["compiled"]["state"][key]), key
+
+
+def two_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4),
+    ).double()
+
+
+def mixed_two_layers_job():
+    import torch._dynamo
+
+    from syncbn import fingerprint
+
+    group = group_of(WORLD)
+    if not in_group(WORLD):
+        return None
+    rank = dist.get_rank()
+    model = syncbn.convert_sync_batchnorm(two_layers(), process_group=group)
+    torch._dynamo.reset()
+    step = torch.compile(model, fullgraph=True) if rank == 1 else model
+    x, _ = data(0, rank)
+    try:
+        step(x).sum().backward()
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        return (type(e).__name__, str(e))
+    finally:
+        fingerprint.reset()  # on every rank: call counts from 0 for the next test
+        torch._dynamo.reset()
+
+
+def test_compiled_rank_beside_an_eager_rank_raises_at_the_second_layer(pool):
+    """A compiled call's fingerprint carries call index 0 (the graph is traced once), an
+    eager call its index in the step: beside an eager rank, a compiled rank agrees on the
+    step's first synchronized layer (test above) and, from the second on, every rank
+    raises naming the disagreement (the eager rank LayerMismatchError, the compiled rank
+    the assert in its graph) instead of hanging or mixing layers."""
+    eager, compiled = pool.run(mixed_two_layers_job, timeout=600)[:WORLD]
+    assert eager[0] == "LayerMismatchError" and "call 1 of the step" in eager[1], eager
+    assert "different synchronized layer calls" in compiled[1], compiled
