@@ -9,7 +9,9 @@ call: ``DIGITS`` small integers and their squares, ``SIZE = 2 * DIGITS`` values 
 payload's own dtype. No extra collective, a constant number of extra values. Every code
 path (CPU, CUDA, portable, compiled) sends the same payload, fingerprint first, then
 ``[n, n m, n (var + m^2)]`` forward and ``[sum dy, sum dy (x - mean)]`` backward, so ranks
-on different paths (one compiled, one eager, say) still sum like with like.
+on different paths still sum like with like. (A compiled call's index is 0, see below:
+beside an eager rank, a compiled rank agrees on the step's first layer only, and every
+rank raises at the second.)
 
 What is fingerprinted (a :class:`Tag`, two integers):
 
