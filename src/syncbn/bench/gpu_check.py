@@ -2,14 +2,21 @@
 at hand. Two ranks on the GPU(s) (NCCL with two or more GPUs, else gloo with both ranks
 sharing GPU 0) check the CUDA path of ``syncbn.SyncBatchNorm``:
 
-- **oracle**: output, input/weight/bias gradients and running buffers against float64
-  batch norm on the concatenated batch, uneven and empty ranks, both layouts, float32
-  and float64 (bounds: those of ``tests/bn_oracle.py``, 1e-4 and 1e-10 relative);
+- **oracle**: output, input/weight/bias gradients and running buffers of
+  ``SyncBatchNorm`` and ``SyncBatchNormAct`` (leaky_relu) against float64 batch norm on
+  the concatenated batch, uneven and empty ranks, both layouts, float32 and float64
+  (bounds: those of ``tests/bn_oracle.py``, 1e-4 and 1e-10 relative);
 - **numerics**: merged variance at |mean|/std = 1e3 and 1e4 on (2, 16, 256, 256) per
   rank, float32, against float64 (the issue's CUDA bars: 1e-5 and 1e-4);
 - **counts**: passes, launches and host syncs per call on the real device (no stand-ins);
-- **timing**: forward + backward of syncbn.SyncBatchNorm, torch.nn.SyncBatchNorm and
-  torch.nn.BatchNorm2d on the same GPU, median of CUDA-event timings.
+- **timing**: forward + backward of syncbn.SyncBatchNorm, SyncBatchNormAct,
+  torch.nn.SyncBatchNorm and torch.nn.BatchNorm2d on the same GPU, wall clock of a step
+  ended by ``torch.cuda.synchronize()``, median over repeats, the slower rank; also
+  syncbn's step minus its all-reduces beside BatchNorm2d's step with the same two
+  all-reduces minus them (the W = 2 bar of the CPU bench), and each layer alone on
+  rank 0 in a group of one (the no-group bar);
+- **compile**: ``torch.compile(fullgraph=True)`` of a small converted model on the
+  device, two training steps against eager (float64, bound 1e-9).
 
 ``--device cpu`` runs the same on the CPU with the CUDA path forced (torch's
 SyncBatchNorm refuses CPU tensors and is left out): a dry run of this script. Writes
@@ -19,6 +26,7 @@ SyncBatchNorm refuses CPU tensors and is left out): a dry run of this script. Wr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -26,6 +34,7 @@ import time
 from pathlib import Path
 
 SHAPES = [[8, 64, 56, 56], [2, 256, 128, 128]]
+SLOPE = 0.01  # SyncBatchNormAct's leaky_relu
 
 
 def _setup(device: str):
@@ -58,46 +67,51 @@ def oracle_job(device: str) -> list:
     dev = _setup(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
-    for dtype in (torch.float32, torch.float64):
-        for layout in ("contiguous", "channels_last"):
-            for sizes in ((3, 2), (4, 0)):
-                gen = torch.Generator().manual_seed(11)
-                xs = [torch.randn(n, 5, 6, 7, generator=gen, dtype=torch.float64) * 2 + 3 for n in sizes]
-                dys = [torch.randn(n, 5, 6, 7, generator=gen, dtype=torch.float64) for n in sizes]
-                w = torch.linspace(0.5, 2, 5, dtype=torch.float64)
-                b = torch.linspace(-1, 1, 5, dtype=torch.float64)
-                fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-                x = xs[rank].to(dev, dtype).clone(memory_format=fmt).requires_grad_()
-                layer = syncbn.SyncBatchNorm(5, momentum=1.0).to(dev, dtype)
-                with torch.no_grad():
-                    layer.weight.copy_(w)
-                    layer.bias.copy_(b)
-                with _forcing(device):
-                    y = layer(x)
-                    y.backward(dys[rank].to(dev, dtype).contiguous(memory_format=fmt))
-                grads = torch.stack([layer.weight.grad, layer.bias.grad]).double()
-                dist.all_reduce(grads)
-                # the oracle: float64 on the concatenation of the same (rounded) values
-                xr = torch.cat([t.to(dtype).double() for t in xs]).requires_grad_()
-                wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
-                rm, rv = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
-                yr = F.batch_norm(xr, rm, rv, wr, br, True, 1.0, layer.eps)
-                yr.backward(torch.cat([t.to(dtype).double() for t in dys]))
-                lo = sum(sizes[:rank])
-                mine = slice(lo, lo + sizes[rank])
+    for impl, dtype, layout, sizes in itertools.product(
+        ("SyncBatchNorm", "SyncBatchNormAct"), (torch.float32, torch.float64),
+        ("contiguous", "channels_last"), ((3, 2), (4, 0)),
+    ):
+        gen = torch.Generator().manual_seed(11)
+        xs = [torch.randn(n, 5, 6, 7, generator=gen, dtype=torch.float64) * 2 + 3 for n in sizes]
+        dys = [torch.randn(n, 5, 6, 7, generator=gen, dtype=torch.float64) for n in sizes]
+        w = torch.linspace(0.5, 2, 5, dtype=torch.float64)
+        b = torch.linspace(-1, 1, 5, dtype=torch.float64)
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        x = xs[rank].to(dev, dtype).clone(memory_format=fmt).requires_grad_()
+        layer = (syncbn.SyncBatchNorm(5, momentum=1.0) if impl == "SyncBatchNorm" else
+                 syncbn.SyncBatchNormAct(5, momentum=1.0, activation="leaky_relu",
+                                         activation_param=SLOPE)).to(dev, dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            layer.bias.copy_(b)
+        with _forcing(device):
+            y = layer(x)
+            y.backward(dys[rank].to(dev, dtype).contiguous(memory_format=fmt))
+        grads = torch.stack([layer.weight.grad, layer.bias.grad]).double()
+        dist.all_reduce(grads)
+        # the oracle: float64 on the concatenation of the same (rounded) values
+        xr = torch.cat([t.to(dtype).double() for t in xs]).requires_grad_()
+        wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
+        rm, rv = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+        yr = F.batch_norm(xr, rm, rv, wr, br, True, 1.0, layer.eps)
+        if impl == "SyncBatchNormAct":
+            yr = F.leaky_relu(yr, SLOPE)
+        yr.backward(torch.cat([t.to(dtype).double() for t in dys]))
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + sizes[rank])
 
-                def rel(a, r):
-                    a, r = a.detach().double().cpu(), r.detach()
-                    return float((a - r).abs().max() / max(float(r.abs().max()), 1.0)) if r.numel() else 0.0
+        def rel(a, r):
+            a, r = a.detach().double().cpu(), r.detach()
+            return float((a - r).abs().max() / max(float(r.abs().max()), 1.0)) if r.numel() else 0.0
 
-                errs = {"y": rel(y, yr[mine]), "dx": rel(x.grad, xr.grad[mine]),
-                        "dparams": rel(grads, torch.stack([wr.grad, br.grad])),
-                        "buffers": rel(torch.stack([layer.running_mean, layer.running_var]), torch.stack([rm, rv]))}
-                worst = torch.tensor(list(errs.values()), dtype=torch.float64, device=dev)  # NCCL: on the GPU
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                bound = 1e-4 if dtype == torch.float32 else 1e-10
-                rows.append({"dtype": str(dtype), "layout": layout, "sizes": list(sizes), "bound": bound,
-                             "errors": dict(zip(errs, worst.tolist())), "passed": bool((worst < bound).all())})
+        errs = {"y": rel(y, yr[mine]), "dx": rel(x.grad, xr.grad[mine]),
+                "dparams": rel(grads, torch.stack([wr.grad, br.grad])),
+                "buffers": rel(torch.stack([layer.running_mean, layer.running_var]), torch.stack([rm, rv]))}
+        worst = torch.tensor(list(errs.values()), dtype=torch.float64, device=dev)  # NCCL: on the GPU
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        bound = 1e-4 if dtype == torch.float32 else 1e-10
+        rows.append({"impl": impl, "dtype": str(dtype), "layout": layout, "sizes": list(sizes), "bound": bound,
+                     "errors": dict(zip(errs, worst.tolist())), "passed": bool((worst < bound).all())})
     return rows if rank == 0 else None
 
 
@@ -147,37 +161,182 @@ def counts_job(device: str) -> list:
     return rows if dist.get_rank() == 0 else None
 
 
+class _Clock:
+    """Wall-clock seconds of a step on ``device`` (the step ends when the device is
+    done) and, separately, of the all-reduces inside it: each is timed from a finished
+    device queue to a finished all-reduce, so the work queued before it counts in the
+    step, not in the all-reduce."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.in_reduces = 0.0
+
+    def reduce(self, fn, *args, **kwargs):
+        self.sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.sync()
+        self.in_reduces += time.perf_counter() - start
+        return out
+
+    def step(self, fn) -> tuple:
+        """(seconds of ``fn()``, seconds of that inside :meth:`reduce`)."""
+        self.in_reduces = 0.0
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start, self.in_reduces
+
+
+def _median_ms(clock: "_Clock", step, repeats: int, barrier=None) -> tuple:
+    """Median step time and median step time minus its all-reduces, in ms, after five
+    warm-up steps (``barrier`` before each step lines the ranks up)."""
+    whole, rest = [], []
+    for i in range(repeats + 5):
+        if barrier is not None:
+            barrier()
+        total, reduces = clock.step(step)
+        if i >= 5:
+            whole.append(total)
+            rest.append(total - reduces)
+    return 1e3 * statistics.median(whole), 1e3 * statistics.median(rest)
+
+
 def timing_job(device: str, repeats: int) -> list:
+    """Rank 0's rows. W = 2 rows: the slower rank's median; "minus all-reduces" rows
+    take out the time of syncbn's two all-reduces (patched in at
+    ``syncbn.distributed.all_reduce_sum``), and BatchNorm2d "with all-reduces" makes two
+    all-reduces of the same sizes and dtypes where syncbn makes them. No-group rows: rank
+    0 alone (rank 1 waits), syncbn in a group of one."""
     import torch
     import torch.distributed as dist
 
     import syncbn
 
+    from .. import distributed
+
     dev = _setup(device)
-    rows = []
-    impls = {"syncbn.SyncBatchNorm": lambda c: syncbn.SyncBatchNorm(c),
-             "torch.nn.BatchNorm2d": lambda c: torch.nn.BatchNorm2d(c)}
+    rank = dist.get_rank()
+    alone = dist.new_group([0])  # every rank takes part in making it
+    clock = _Clock(device)
+    payloads = []  # (numel, dtype) of syncbn's all-reduces in one step
+    reduce = distributed.all_reduce_sum
+
+    def timed_reduce(tensor, group=None):
+        payloads.append((tensor.numel(), tensor.dtype))
+        return clock.reduce(reduce, tensor, group)
+
+    makers = {
+        "syncbn.SyncBatchNorm": lambda c, g: syncbn.SyncBatchNorm(c, process_group=g),
+        "syncbn.SyncBatchNormAct": lambda c, g: syncbn.SyncBatchNormAct(c, process_group=g),
+        "torch.nn.BatchNorm2d": lambda c, g: torch.nn.BatchNorm2d(c),
+    }
     if device == "cuda":
-        impls["torch.nn.SyncBatchNorm"] = lambda c: torch.nn.SyncBatchNorm(c)
+        makers["torch.nn.SyncBatchNorm"] = lambda c, g: torch.nn.SyncBatchNorm(c, process_group=g)
+    rows = []
+
+    def add(shape, name, world, whole, rest=None):
+        if world == 2:  # the slower rank
+            both = torch.tensor([whole, -1.0 if rest is None else rest], dtype=torch.float64, device=dev)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            whole, rest = both.tolist()
+            rest = None if rest < 0 else rest
+        row = {"shape": shape, "impl": name, "world": world, "median_ms": whole}
+        if rest is not None:
+            row["minus_all_reduces_ms"] = rest
+        rows.append(row)
+
     for shape in SHAPES:
         x = torch.randn(shape, device=dev).requires_grad_()
         dy = torch.randn_like(x)
-        for name, make in impls.items():
-            layer = make(shape[1]).to(dev)
-            times = []
-            with _forcing(device):
-                for i in range(repeats + 5):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    layer(x).backward(dy)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    if i >= 5:
-                        times.append(time.perf_counter() - start)
-            per_rank = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
-            dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # the slower rank
-            rows.append({"shape": shape, "impl": name, "median_ms": 1e3 * float(per_rank)})
-    return rows if dist.get_rank() == 0 else None
+        with _forcing(device):
+            # W = 2, syncbn's all-reduces timed inside the step
+            for name, make in makers.items():
+                layer = make(shape[1], None).to(dev)
+                distributed.all_reduce_sum = timed_reduce
+                try:
+                    payloads.clear()
+                    whole, rest = _median_ms(clock, lambda: layer(x).backward(dy), repeats, dist.barrier)
+                finally:
+                    distributed.all_reduce_sum = reduce
+                add(shape, name, 2, whole, rest if name.startswith("syncbn") else None)
+                if name == "syncbn.SyncBatchNorm":
+                    step_payloads = payloads[: len(payloads) // (repeats + 5)]
+            # BatchNorm2d with syncbn's all-reduces where syncbn makes them
+            layer = torch.nn.BatchNorm2d(shape[1]).to(dev)
+            inputs = (x, *layer.parameters())
+            buffers = [torch.zeros(n, dtype=dt, device=dev) for n, dt in step_payloads]
+
+            def bn_with_reduces():
+                y = layer(x)
+                for buf in buffers[:-1]:
+                    clock.reduce(dist.all_reduce, buf)
+                torch.autograd.grad(y, inputs, dy)
+                clock.reduce(dist.all_reduce, buffers[-1])
+
+            whole, rest = _median_ms(clock, bn_with_reduces, repeats, dist.barrier)
+            add(shape, "torch.nn.BatchNorm2d with syncbn's all-reduces", 2, whole, rest)
+            # no group: rank 0 alone
+            for name, make in makers.items():
+                if rank == 0:
+                    layer = make(shape[1], alone).to(dev)
+                    whole, _ = _median_ms(clock, lambda: layer(x).backward(dy), repeats)
+                    add(shape, name, 1, whole)
+                dist.barrier()
+    return rows if rank == 0 else None
+
+
+def compile_job(device: str) -> dict:
+    """``torch.compile(fullgraph=True)`` of a converted Conv-BN-ReLU-Linear model on
+    ``device``, two SGD steps on uneven float64 batches, against the same model eager."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import syncbn
+
+    dev = _setup(device)
+    rank = dist.get_rank()
+
+    def model():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                            nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                            nn.Flatten(), nn.Linear(8 * 6 * 6, 3))
+        return syncbn.convert_sync_batchnorm(net).to(dev, torch.float64)
+
+    def train(net, fn):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        outs = []
+        for step in range(2):
+            gen = torch.Generator().manual_seed(17 * step + rank)
+            x = torch.randn((3, 2)[rank], 3, 6, 6, generator=gen, dtype=torch.float64).to(dev) * 2 + 1
+            dy = torch.randn((3, 2)[rank], 3, generator=gen, dtype=torch.float64).to(dev)
+            opt.zero_grad()
+            y = fn(x)
+            y.backward(dy)
+            opt.step()
+            outs.append(y.detach())
+        return torch.cat([torch.cat(outs).flatten()] + [t.detach().flatten() for t in net.state_dict().values()
+                                                         if t.is_floating_point()])
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    started = time.time()
+    net = model()
+    eager = train(net, net)
+    compiled_net = model()
+    compiled = train(compiled_net, torch.compile(compiled_net, fullgraph=True))
+    err = float((compiled - eager).abs().max() / eager.abs().max().clamp_min(1.0))
+    worst = torch.tensor([err], dtype=torch.float64, device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    err = float(worst)
+    return {"rel_error": err, "bound": 1e-9, "passed": bool(err <= 1e-9),
+            "seconds": round(time.time() - started, 1)} if rank == 0 else None
 
 
 def main(argv=None) -> int:
@@ -200,19 +359,22 @@ def main(argv=None) -> int:
     report = {"device": args.device, "gpus": gpus, "backend": backend, "world": 2,
               "gpu_name": torch.cuda.get_device_name(0) if gpus else None, "torch": torch.__version__}
     started = time.time()
-    with WorkerPool(2, backend=backend, timeout=300) as pool:
+    with WorkerPool(2, backend=backend, timeout=150) as pool:
         for name, job, extra in (("oracle", oracle_job, ()), ("numerics", numerics_job, ()),
-                                 ("counts", counts_job, ()), ("timing", timing_job, (args.repeats,))):
+                                 ("counts", counts_job, ()), ("timing", timing_job, (args.repeats,)),
+                                 ("compile", compile_job, ())):
             try:
                 report[name] = pool.run(job, args.device, *extra)[0]
             except Exception as exc:  # keep the other sections
                 report[name] = {"error": repr(exc)}
+            if isinstance(report[name], dict) and "error" not in report[name]:
+                report[name] = [report[name]]
             (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     report["seconds"] = round(time.time() - started, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "report.md").write_text(_markdown(report))
     print(_markdown(report))
-    failed = [r for section in ("oracle", "numerics") for r in (report[section] if isinstance(report[section], list)
+    failed = [r for section in ("oracle", "numerics", "compile") for r in (report[section] if isinstance(report[section], list)
                                                                 else [{"passed": False}]) if not r["passed"]]
     return 1 if failed else 0
 
@@ -220,7 +382,7 @@ def main(argv=None) -> int:
 def _markdown(report: dict) -> str:
     lines = [f"# syncbn gpu-check ({report['device']}, {report.get('gpu_name') or 'no GPU'}, "
              f"{report['backend']}, W = 2, torch {report['torch']})", ""]
-    for section in ("oracle", "numerics", "counts", "timing"):
+    for section in ("oracle", "numerics", "counts", "timing", "compile"):
         lines += [f"## {section}", ""]
         rows = report.get(section)
         if not isinstance(rows, list):
