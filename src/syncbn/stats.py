@@ -400,8 +400,11 @@ def backward_sums(dy: torch.Tensor, x: torch.Tensor, mean, invstd):
         return zeros, zeros.clone()
     if x.device.type in NATIVE_KERNEL_DEVICES:
         # the native backward kernel's weight and bias gradients are exactly these sums
+        # (whatever the weight: it scales only the input gradient, not asked for here;
+        # the CUDA kernel needs a defined one to allocate its weight gradient like it)
+        ones = constant(_filled, (1.0, channels), mean.dtype, mean.device)
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True]
+            dy, x, ones, None, None, mean, invstd, True, 0.0, [False, True, True]
         )
     else:
         shape = _channel_shape(x.dim(), channels)

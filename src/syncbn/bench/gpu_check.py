@@ -33,7 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = [[8, 64, 56, 56], [2, 256, 128, 128]]
+# the CPU bench's grid of per-rank inputs, and two segmentation-sized ones
+SHAPES = [[n, c, hw, hw] for n in (2, 8) for c in (64, 256) for hw in (28, 56)] + [[2, 64, 256, 256],
+                                                                                  [2, 256, 128, 128]]
+LAYOUTS = ("contiguous", "channels_last")
 SLOPE = 0.01  # SyncBatchNormAct's leaky_relu
 
 
@@ -238,19 +241,20 @@ def timing_job(device: str, repeats: int) -> list:
         makers["torch.nn.SyncBatchNorm"] = lambda c, g: torch.nn.SyncBatchNorm(c, process_group=g)
     rows = []
 
-    def add(shape, name, world, whole, rest=None):
+    def add(shape, layout, name, world, whole, rest=None):
         if world == 2:  # the slower rank
             both = torch.tensor([whole, -1.0 if rest is None else rest], dtype=torch.float64, device=dev)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             whole, rest = both.tolist()
             rest = None if rest < 0 else rest
-        row = {"shape": shape, "impl": name, "world": world, "median_ms": whole}
+        row = {"shape": shape, "layout": layout, "impl": name, "world": world, "median_ms": whole}
         if rest is not None:
             row["minus_all_reduces_ms"] = rest
         rows.append(row)
 
-    for shape in SHAPES:
-        x = torch.randn(shape, device=dev).requires_grad_()
+    for shape, layout in itertools.product(SHAPES, LAYOUTS):
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
         dy = torch.randn_like(x)
         with _forcing(device):
             # W = 2, syncbn's all-reduces timed inside the step
@@ -262,7 +266,7 @@ def timing_job(device: str, repeats: int) -> list:
                     whole, rest = _median_ms(clock, lambda: layer(x).backward(dy), repeats, dist.barrier)
                 finally:
                     distributed.all_reduce_sum = reduce
-                add(shape, name, 2, whole, rest if name.startswith("syncbn") else None)
+                add(shape, layout, name, 2, whole, rest if name.startswith("syncbn") else None)
                 if name == "syncbn.SyncBatchNorm":
                     step_payloads = payloads[: len(payloads) // (repeats + 5)]
             # BatchNorm2d with syncbn's all-reduces where syncbn makes them
@@ -278,13 +282,13 @@ def timing_job(device: str, repeats: int) -> list:
                 clock.reduce(dist.all_reduce, buffers[-1])
 
             whole, rest = _median_ms(clock, bn_with_reduces, repeats, dist.barrier)
-            add(shape, "torch.nn.BatchNorm2d with syncbn's all-reduces", 2, whole, rest)
+            add(shape, layout, "torch.nn.BatchNorm2d with syncbn's all-reduces", 2, whole, rest)
             # no group: rank 0 alone
             for name, make in makers.items():
                 if rank == 0:
                     layer = make(shape[1], alone).to(dev)
                     whole, _ = _median_ms(clock, lambda: layer(x).backward(dy), repeats)
-                    add(shape, name, 1, whole)
+                    add(shape, layout, name, 1, whole)
                 dist.barrier()
     return rows if rank == 0 else None
 
@@ -379,9 +383,41 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def timing_summary(rows: list) -> dict:
+    """Medians over the timing grid (with the worst point) of the ratios that the CPU
+    bench's bars use: syncbn over BatchNorm2d alone (W = 1), syncbn minus its all-reduces
+    over BatchNorm2d (W = 2), the same for BatchNorm2d with syncbn's all-reduces (the
+    control), and syncbn over torch.nn.SyncBatchNorm (W = 2, whole steps)."""
+    at = {(tuple(r["shape"]), r["layout"], r["impl"], r["world"]): r for r in rows}
+    points = sorted({(k[0], k[1]) for k in at})
+
+    def ratios(num, den):
+        out = []
+        for p in points:
+            a, b = at.get(p + num[:2]), at.get(p + den[:2])
+            if a is not None and b is not None:
+                out.append(a[num[2]] / b[den[2]])
+        return {"median": statistics.median(out), "worst": max(out), "best": min(out), "points": len(out)} if out else None
+
+    sb, bn, tsb = "syncbn.SyncBatchNorm", "torch.nn.BatchNorm2d", "torch.nn.SyncBatchNorm"
+    ctl = "torch.nn.BatchNorm2d with syncbn's all-reduces"
+    return {
+        "W1 syncbn / BatchNorm2d": ratios((sb, 1, "median_ms"), (bn, 1, "median_ms")),
+        "W2 syncbn minus all-reduces / BatchNorm2d": ratios((sb, 2, "minus_all_reduces_ms"), (bn, 2, "median_ms")),
+        "W2 BatchNorm2d with the all-reduces, minus them / BatchNorm2d": ratios(
+            (ctl, 2, "minus_all_reduces_ms"), (bn, 2, "median_ms")),
+        "W2 syncbn / torch.nn.SyncBatchNorm": ratios((sb, 2, "median_ms"), (tsb, 2, "median_ms")),
+        "W2 SyncBatchNormAct / torch.nn.SyncBatchNorm": ratios(
+            ("syncbn.SyncBatchNormAct", 2, "median_ms"), (tsb, 2, "median_ms")),
+    }
+
+
 def _markdown(report: dict) -> str:
     lines = [f"# syncbn gpu-check ({report['device']}, {report.get('gpu_name') or 'no GPU'}, "
              f"{report['backend']}, W = 2, torch {report['torch']})", ""]
+    if isinstance(report.get("timing"), list):
+        lines += ["## timing summary (ratios over the grid)", ""]
+        lines += [f"- {k}: {json.dumps(v)}" for k, v in timing_summary(report["timing"]).items()] + [""]
     for section in ("oracle", "numerics", "counts", "timing", "compile"):
         lines += [f"## {section}", ""]
         rows = report.get(section)
