@@ -293,6 +293,78 @@ def timing_job(device: str, repeats: int) -> list:
     return rows if rank == 0 else None
 
 
+class _NoCommunication:
+    """Within the block, this process acts as one of two ranks that hold the same
+    data: every all-reduce doubles its tensor in place and every all-gather copies it,
+    with no communication (syncbn's ``all_reduce_sum`` and ``group_size``, and
+    ``torch.distributed``'s ``all_reduce`` and ``all_gather`` that torch.nn.SyncBatchNorm
+    calls over gloo). What is left of a synchronized step is the layer's own work."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from .. import distributed
+
+        self.saved = [(distributed, "all_reduce_sum"), (distributed, "group_size"), (dist, "all_reduce"),
+                      (dist, "all_gather")]
+        self.saved = [(mod, name, getattr(mod, name)) for mod, name in self.saved]
+        distributed.all_reduce_sum = lambda tensor, group=None: tensor.mul_(2)
+        distributed.group_size = lambda group=None: 2
+
+        def all_reduce(tensor, *args, **kwargs):
+            tensor.mul_(2)
+
+        def all_gather(parts, tensor, *args, **kwargs):
+            for part in parts:
+                part.copy_(tensor)
+
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, value in self.saved:
+            setattr(mod, name, value)
+
+
+def emulated_job(device: str, repeats: int) -> list:
+    """Rank 0 alone (rank 1 waits): each layer's synchronized training step in a group
+    of two emulated without communication (:class:`_NoCommunication`), so neither a
+    second process on the same GPU nor gloo's copies through the host take part;
+    BatchNorm2d beside it. Shapes: the timing grid and a 512 x 1024 plane."""
+    import torch
+    import torch.distributed as dist
+
+    import syncbn
+
+    dev = _setup(device)
+    rows = []
+    if dist.get_rank() == 0:
+        clock = _Clock(device)
+        makers = {
+            "syncbn.SyncBatchNorm": lambda c: syncbn.SyncBatchNorm(c),
+            "syncbn.SyncBatchNormAct": lambda c: syncbn.SyncBatchNormAct(c),
+            "torch.nn.BatchNorm2d": lambda c: torch.nn.BatchNorm2d(c),
+        }
+        if device == "cuda":
+            makers["torch.nn.SyncBatchNorm"] = lambda c: torch.nn.SyncBatchNorm(c)
+        for shape, layout in itertools.product(SHAPES + [[2, 64, 512, 1024]], LAYOUTS):
+            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+            x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
+            dy = torch.randn_like(x)
+            for name, make in makers.items():
+                layer = make(shape[1]).to(dev)
+                try:
+                    with _forcing(device), _NoCommunication():
+                        whole, _ = _median_ms(clock, lambda: layer(x).backward(dy), repeats)
+                    rows.append({"shape": shape, "layout": layout, "impl": name, "world": "2, emulated",
+                                 "median_ms": whole})
+                except Exception as exc:  # rank 0 alone: nothing waits on it
+                    rows.append({"shape": shape, "layout": layout, "impl": name, "error": repr(exc)})
+            del x, dy
+    dist.barrier()
+    return rows if dist.get_rank() == 0 else None
+
+
 def compile_job(device: str) -> dict:
     """``torch.compile(fullgraph=True)`` of a converted Conv-BN-ReLU-Linear model on
     ``device``, two SGD steps on uneven float64 batches, against the same model eager."""
@@ -366,7 +438,7 @@ def main(argv=None) -> int:
     with WorkerPool(2, backend=backend, timeout=150) as pool:
         for name, job, extra in (("oracle", oracle_job, ()), ("numerics", numerics_job, ()),
                                  ("counts", counts_job, ()), ("timing", timing_job, (args.repeats,)),
-                                 ("compile", compile_job, ())):
+                                 ("emulated", emulated_job, (args.repeats,)), ("compile", compile_job, ())):
             try:
                 report[name] = pool.run(job, args.device, *extra)[0]
             except Exception as exc:  # keep the other sections
@@ -387,8 +459,10 @@ def timing_summary(rows: list) -> dict:
     """Medians over the timing grid (with the worst point) of the ratios that the CPU
     bench's bars use: syncbn over BatchNorm2d alone (W = 1), syncbn minus its all-reduces
     over BatchNorm2d (W = 2), the same for BatchNorm2d with syncbn's all-reduces (the
-    control), and syncbn over torch.nn.SyncBatchNorm (W = 2, whole steps)."""
-    at = {(tuple(r["shape"]), r["layout"], r["impl"], r["world"]): r for r in rows}
+    control), and syncbn over torch.nn.SyncBatchNorm (W = 2, whole steps); the same
+    for the steps of a group of two emulated in one process (``emulated_job``)."""
+    em = "2, emulated"
+    at = {(tuple(r["shape"]), r["layout"], r["impl"], r["world"]): r for r in rows if "error" not in r}
     points = sorted({(k[0], k[1]) for k in at})
 
     def ratios(num, den):
@@ -409,16 +483,22 @@ def timing_summary(rows: list) -> dict:
         "W2 syncbn / torch.nn.SyncBatchNorm": ratios((sb, 2, "median_ms"), (tsb, 2, "median_ms")),
         "W2 SyncBatchNormAct / torch.nn.SyncBatchNorm": ratios(
             ("syncbn.SyncBatchNormAct", 2, "median_ms"), (tsb, 2, "median_ms")),
+        "W2 emulated syncbn / BatchNorm2d": ratios((sb, em, "median_ms"), (bn, em, "median_ms")),
+        "W2 emulated syncbn / torch.nn.SyncBatchNorm": ratios((sb, em, "median_ms"), (tsb, em, "median_ms")),
+        "W2 emulated torch.nn.SyncBatchNorm / BatchNorm2d": ratios((tsb, em, "median_ms"), (bn, em, "median_ms")),
+        "W2 emulated SyncBatchNormAct / torch.nn.SyncBatchNorm": ratios(
+            ("syncbn.SyncBatchNormAct", em, "median_ms"), (tsb, em, "median_ms")),
     }
 
 
 def _markdown(report: dict) -> str:
     lines = [f"# syncbn gpu-check ({report['device']}, {report.get('gpu_name') or 'no GPU'}, "
              f"{report['backend']}, W = 2, torch {report['torch']})", ""]
-    if isinstance(report.get("timing"), list):
-        lines += ["## timing summary (ratios over the grid)", ""]
-        lines += [f"- {k}: {json.dumps(v)}" for k, v in timing_summary(report["timing"]).items()] + [""]
-    for section in ("oracle", "numerics", "counts", "timing", "compile"):
+    for section in ("timing", "emulated"):
+        if isinstance(report.get(section), list):
+            lines += [f"## {section} summary (ratios over the grid)", ""]
+            lines += [f"- {k}: {json.dumps(v)}" for k, v in timing_summary(report[section]).items() if v] + [""]
+    for section in ("oracle", "numerics", "counts", "timing", "emulated", "compile"):
         lines += [f"## {section}", ""]
         rows = report.get(section)
         if not isinstance(rows, list):
