@@ -125,6 +125,41 @@ def test_portable_path_matches_native_kernels(monkeypatch, dtype):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
 
 
+
+def test_native_backward_kernel_is_given_a_weight():
+    """CUDA's native_batch_norm_backward allocates the weight gradient from the weight's
+    options and raises ("tensor does not have a device") when the weight is None; the CPU
+    kernel accepts None. backward_sums (the fused layer's backward and the CPU path) must
+    pass a defined weight, so the check is made here on the CPU, where the GPU is absent:
+    every call of the kernel is seen through a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    weights = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.native_batch_norm_backward.default:
+                weights.append(args[2])
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 4, 5, 5)
+    dy = torch.randn(3, 4, 5, 5)
+    mean, invstd = x.mean((0, 2, 3)), x.var((0, 2, 3)).rsqrt()
+    with Record():
+        sums = stats.backward_sums(dy, x, mean, invstd)
+        stats.backward_sums_from_output(dy, x, torch.full((4,), 2.0), torch.zeros(4))
+    assert len(weights) == 2
+    assert all(isinstance(w, torch.Tensor) and w.shape == (4,) for w in weights), weights
+    # and the sums are what they should be, whatever the weight: float32 sums of n = 75
+    # products, each with a few roundings, are within (n + 3) u of the float64 sums of
+    # their absolute values (any summation order)
+    n, u = 75, 2.0**-24
+    xhat = (x.double() - mean.double().view(1, 4, 1, 1)) * invstd.double().view(1, 4, 1, 1)
+    for got, terms in ((sums[0], dy.double()), (sums[1], dy.double() * xhat)):
+        bound = (n + 3) * u * terms.abs().sum((0, 2, 3))
+        assert ((got.double() - terms.sum((0, 2, 3))).abs() <= bound).all(), (got, terms.sum((0, 2, 3)), bound)
+
+
 LAYOUTS = {
     "planar NCHW": lambda x: x,  # use_centered (the fused layer); the kernel in local_moments
     "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),  # centered
