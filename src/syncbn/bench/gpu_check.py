@@ -365,6 +365,76 @@ def emulated_job(device: str, repeats: int) -> list:
     return rows if dist.get_rank() == 0 else None
 
 
+def _replayable(device: str, step):
+    """``step`` captured once in a CUDA graph after three warm-up calls on a side stream
+    (torch's recipe), returned as the graph's replay; on the CPU, ``step`` itself."""
+    import torch
+
+    if device != "cuda":
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def graphs_job(device: str, repeats: int) -> list:
+    """Rank 0 alone: the device-side time of each layer's synchronized training step
+    (forward and input/parameter gradients) in a group of two emulated without
+    communication (:class:`_NoCommunication`), captured in a CUDA graph and replayed, so
+    no host work is timed: what the kernels themselves take. Each row is the median over
+    ``repeats`` blocks of 20 replays (1 on the CPU), timed by the wall clock between synchronizations."""
+    import torch
+    import torch.distributed as dist
+
+    import syncbn
+
+    dev = _setup(device)
+    rows = []
+    if dist.get_rank() == 0:
+        makers = {
+            "syncbn.SyncBatchNorm": lambda c: syncbn.SyncBatchNorm(c),
+            "torch.nn.BatchNorm2d": lambda c: torch.nn.BatchNorm2d(c),
+        }
+        if device == "cuda":
+            makers["torch.nn.SyncBatchNorm"] = lambda c: torch.nn.SyncBatchNorm(c)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        block = 20 if device == "cuda" else 1  # the CPU dry run only checks the code
+        for shape, layout in itertools.product(SHAPES + [[2, 64, 512, 1024]], LAYOUTS):
+            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+            x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
+            dy = torch.randn_like(x)
+            for name, make in makers.items():
+                layer = make(shape[1]).to(dev)
+                inputs = (x, *layer.parameters())
+                row = {"shape": shape, "layout": layout, "impl": name, "world": "2, emulated, graph"}
+                try:
+                    with _forcing(device), _NoCommunication():
+                        replay = _replayable(device, lambda: torch.autograd.grad(layer(x), inputs, dy))
+                        times = []
+                        for i in range(repeats + 2):
+                            sync()
+                            start = time.perf_counter()
+                            for _ in range(block):
+                                replay()
+                            sync()
+                            if i >= 2:
+                                times.append((time.perf_counter() - start) / block)
+                    row["median_ms"] = 1e3 * statistics.median(times)
+                except Exception as exc:  # rank 0 alone: nothing waits on it
+                    row["error"] = repr(exc)
+                rows.append(row)
+            del x, dy
+    dist.barrier()
+    return rows if dist.get_rank() == 0 else None
+
+
 def compile_job(device: str) -> dict:
     """``torch.compile(fullgraph=True)`` of a converted Conv-BN-ReLU-Linear model on
     ``device``, two SGD steps on uneven float64 batches, against the same model eager."""
@@ -420,6 +490,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="syncbn-out/gpu-check")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--sections", nargs="*", help="run only these (default: all)")
     args = parser.parse_args(argv)
     import torch
 
@@ -438,7 +509,10 @@ def main(argv=None) -> int:
     with WorkerPool(2, backend=backend, timeout=150) as pool:
         for name, job, extra in (("oracle", oracle_job, ()), ("numerics", numerics_job, ()),
                                  ("counts", counts_job, ()), ("timing", timing_job, (args.repeats,)),
-                                 ("emulated", emulated_job, (args.repeats,)), ("compile", compile_job, ())):
+                                 ("emulated", emulated_job, (args.repeats,)),
+                                 ("graphs", graphs_job, (args.repeats,)), ("compile", compile_job, ())):
+            if args.sections and name not in args.sections:
+                continue
             try:
                 report[name] = pool.run(job, args.device, *extra)[0]
             except Exception as exc:  # keep the other sections
@@ -450,8 +524,9 @@ def main(argv=None) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "report.md").write_text(_markdown(report))
     print(_markdown(report))
-    failed = [r for section in ("oracle", "numerics", "compile") for r in (report[section] if isinstance(report[section], list)
-                                                                else [{"passed": False}]) if not r["passed"]]
+    failed = [r for section in ("oracle", "numerics", "compile") if section in report
+              for r in (report[section] if isinstance(report[section], list) else [{"passed": False}])
+              if not r["passed"]]
     return 1 if failed else 0
 
 
@@ -461,7 +536,7 @@ def timing_summary(rows: list) -> dict:
     over BatchNorm2d (W = 2), the same for BatchNorm2d with syncbn's all-reduces (the
     control), and syncbn over torch.nn.SyncBatchNorm (W = 2, whole steps); the same
     for the steps of a group of two emulated in one process (``emulated_job``)."""
-    em = "2, emulated"
+    em, gr = "2, emulated", "2, emulated, graph"
     at = {(tuple(r["shape"]), r["layout"], r["impl"], r["world"]): r for r in rows if "error" not in r}
     points = sorted({(k[0], k[1]) for k in at})
 
@@ -486,6 +561,9 @@ def timing_summary(rows: list) -> dict:
         "W2 emulated syncbn / BatchNorm2d": ratios((sb, em, "median_ms"), (bn, em, "median_ms")),
         "W2 emulated syncbn / torch.nn.SyncBatchNorm": ratios((sb, em, "median_ms"), (tsb, em, "median_ms")),
         "W2 emulated torch.nn.SyncBatchNorm / BatchNorm2d": ratios((tsb, em, "median_ms"), (bn, em, "median_ms")),
+        "W2 graph syncbn / BatchNorm2d": ratios((sb, gr, "median_ms"), (bn, gr, "median_ms")),
+        "W2 graph syncbn / torch.nn.SyncBatchNorm": ratios((sb, gr, "median_ms"), (tsb, gr, "median_ms")),
+        "W2 graph torch.nn.SyncBatchNorm / BatchNorm2d": ratios((tsb, gr, "median_ms"), (bn, gr, "median_ms")),
         "W2 emulated SyncBatchNormAct / torch.nn.SyncBatchNorm": ratios(
             ("syncbn.SyncBatchNormAct", em, "median_ms"), (tsb, em, "median_ms")),
     }
@@ -494,13 +572,15 @@ def timing_summary(rows: list) -> dict:
 def _markdown(report: dict) -> str:
     lines = [f"# syncbn gpu-check ({report['device']}, {report.get('gpu_name') or 'no GPU'}, "
              f"{report['backend']}, W = 2, torch {report['torch']})", ""]
-    for section in ("timing", "emulated"):
+    for section in ("timing", "emulated", "graphs"):
         if isinstance(report.get(section), list):
             lines += [f"## {section} summary (ratios over the grid)", ""]
             lines += [f"- {k}: {json.dumps(v)}" for k, v in timing_summary(report[section]).items() if v] + [""]
-    for section in ("oracle", "numerics", "counts", "timing", "emulated", "compile"):
+    for section in ("oracle", "numerics", "counts", "timing", "emulated", "graphs", "compile"):
+        if section not in report:
+            continue
         lines += [f"## {section}", ""]
-        rows = report.get(section)
+        rows = report[section]
         if not isinstance(rows, list):
             lines += [f"error: {rows}", ""]
             continue
