@@ -37,6 +37,7 @@ from pathlib import Path
 SHAPES = [[n, c, hw, hw] for n in (2, 8) for c in (64, 256) for hw in (28, 56)] + [[2, 64, 256, 256],
                                                                                   [2, 256, 128, 128]]
 LAYOUTS = ("contiguous", "channels_last")
+BIG = [2, 64, 512, 1024]  # a Cityscapes crop's first-stage plane, for the single-process sections
 SLOPE = 0.01  # SyncBatchNormAct's leaky_relu
 
 
@@ -59,6 +60,34 @@ def _forcing(device: str):
     return stats._forced_cuda_path() if device == "cpu" else contextlib.nullcontext()
 
 
+
+def _makers(device: str, fused: bool = True) -> dict:
+    """The timed layers by name, each made from ``(channels, process group)``:
+    torch.nn.SyncBatchNorm on CUDA only (it refuses CPU tensors)."""
+    import torch
+
+    import syncbn
+
+    makers = {"syncbn.SyncBatchNorm": lambda c, g: syncbn.SyncBatchNorm(c, process_group=g)}
+    if fused:
+        makers["syncbn.SyncBatchNormAct"] = lambda c, g: syncbn.SyncBatchNormAct(c, process_group=g)
+    makers["torch.nn.BatchNorm2d"] = lambda c, g: torch.nn.BatchNorm2d(c)
+    if device == "cuda":
+        makers["torch.nn.SyncBatchNorm"] = lambda c, g: torch.nn.SyncBatchNorm(c, process_group=g)
+    return makers
+
+
+def _grid(dev, shapes):
+    """``(shape, layout, x, dy)`` for each shape in both layouts, float32, ``x``
+    requiring its gradient."""
+    import torch
+
+    for shape, layout in itertools.product(shapes, LAYOUTS):
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
+        yield shape, layout, x, torch.randn_like(x)
+
+
 def oracle_job(device: str) -> list:
     """Every rank: its results beside the float64 oracle's; rank 0 returns the errors."""
     import torch
@@ -68,7 +97,7 @@ def oracle_job(device: str) -> list:
     import syncbn
 
     dev = _setup(device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     rows = []
     for impl, dtype, layout, sizes in itertools.product(
         ("SyncBatchNorm", "SyncBatchNormAct"), (torch.float32, torch.float64),
@@ -217,8 +246,6 @@ def timing_job(device: str, repeats: int) -> list:
     import torch
     import torch.distributed as dist
 
-    import syncbn
-
     from .. import distributed
 
     dev = _setup(device)
@@ -232,13 +259,7 @@ def timing_job(device: str, repeats: int) -> list:
         payloads.append((tensor.numel(), tensor.dtype))
         return clock.reduce(reduce, tensor, group)
 
-    makers = {
-        "syncbn.SyncBatchNorm": lambda c, g: syncbn.SyncBatchNorm(c, process_group=g),
-        "syncbn.SyncBatchNormAct": lambda c, g: syncbn.SyncBatchNormAct(c, process_group=g),
-        "torch.nn.BatchNorm2d": lambda c, g: torch.nn.BatchNorm2d(c),
-    }
-    if device == "cuda":
-        makers["torch.nn.SyncBatchNorm"] = lambda c, g: torch.nn.SyncBatchNorm(c, process_group=g)
+    makers = _makers(device)
     rows = []
 
     def add(shape, layout, name, world, whole, rest=None):
@@ -252,10 +273,7 @@ def timing_job(device: str, repeats: int) -> list:
             row["minus_all_reduces_ms"] = rest
         rows.append(row)
 
-    for shape, layout in itertools.product(SHAPES, LAYOUTS):
-        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-        x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
-        dy = torch.randn_like(x)
+    for shape, layout, x, dy in _grid(dev, SHAPES):
         with _forcing(device):
             # W = 2, syncbn's all-reduces timed inside the step
             for name, make in makers.items():
@@ -331,28 +349,16 @@ def emulated_job(device: str, repeats: int) -> list:
     of two emulated without communication (:class:`_NoCommunication`), so neither a
     second process on the same GPU nor gloo's copies through the host take part;
     BatchNorm2d beside it. Shapes: the timing grid and a 512 x 1024 plane."""
-    import torch
     import torch.distributed as dist
-
-    import syncbn
 
     dev = _setup(device)
     rows = []
     if dist.get_rank() == 0:
         clock = _Clock(device)
-        makers = {
-            "syncbn.SyncBatchNorm": lambda c: syncbn.SyncBatchNorm(c),
-            "syncbn.SyncBatchNormAct": lambda c: syncbn.SyncBatchNormAct(c),
-            "torch.nn.BatchNorm2d": lambda c: torch.nn.BatchNorm2d(c),
-        }
-        if device == "cuda":
-            makers["torch.nn.SyncBatchNorm"] = lambda c: torch.nn.SyncBatchNorm(c)
-        for shape, layout in itertools.product(SHAPES + [[2, 64, 512, 1024]], LAYOUTS):
-            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-            x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
-            dy = torch.randn_like(x)
+        makers = _makers(device)
+        for shape, layout, x, dy in _grid(dev, SHAPES + [BIG]):
             for name, make in makers.items():
-                layer = make(shape[1]).to(dev)
+                layer = make(shape[1], None).to(dev)
                 try:
                     with _forcing(device), _NoCommunication():
                         whole, _ = _median_ms(clock, lambda: layer(x).backward(dy), repeats)
@@ -389,29 +395,20 @@ def graphs_job(device: str, repeats: int) -> list:
     (forward and input/parameter gradients) in a group of two emulated without
     communication (:class:`_NoCommunication`), captured in a CUDA graph and replayed, so
     no host work is timed: what the kernels themselves take. Each row is the median over
-    ``repeats`` blocks of 20 replays (1 on the CPU), timed by the wall clock between synchronizations."""
+    ``repeats`` blocks of 20 replays (1 on the CPU), timed by the wall clock between
+    synchronizations."""
     import torch
     import torch.distributed as dist
-
-    import syncbn
 
     dev = _setup(device)
     rows = []
     if dist.get_rank() == 0:
-        makers = {
-            "syncbn.SyncBatchNorm": lambda c: syncbn.SyncBatchNorm(c),
-            "torch.nn.BatchNorm2d": lambda c: torch.nn.BatchNorm2d(c),
-        }
-        if device == "cuda":
-            makers["torch.nn.SyncBatchNorm"] = lambda c: torch.nn.SyncBatchNorm(c)
+        makers = _makers(device, fused=False)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         block = 20 if device == "cuda" else 1  # the CPU dry run only checks the code
-        for shape, layout in itertools.product(SHAPES + [[2, 64, 512, 1024]], LAYOUTS):
-            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-            x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
-            dy = torch.randn_like(x)
+        for shape, layout, x, dy in _grid(dev, SHAPES + [BIG]):
             for name, make in makers.items():
-                layer = make(shape[1]).to(dev)
+                layer = make(shape[1], None).to(dev)
                 inputs = (x, *layer.parameters())
                 row = {"shape": shape, "layout": layout, "impl": name, "world": "2, emulated, graph"}
                 try:
@@ -546,7 +543,9 @@ def timing_summary(rows: list) -> dict:
             a, b = at.get(p + num[:2]), at.get(p + den[:2])
             if a is not None and b is not None:
                 out.append(a[num[2]] / b[den[2]])
-        return {"median": statistics.median(out), "worst": max(out), "best": min(out), "points": len(out)} if out else None
+        if not out:
+            return None
+        return {"median": statistics.median(out), "worst": max(out), "best": min(out), "points": len(out)}
 
     sb, bn, tsb = "syncbn.SyncBatchNorm", "torch.nn.BatchNorm2d", "torch.nn.SyncBatchNorm"
     ctl = "torch.nn.BatchNorm2d with syncbn's all-reduces"
