@@ -85,7 +85,7 @@ def test_bad_dims_raise_before_any_collective(pool):
 # ---- the CUDA path, run on the CPU with its device-dependent choices forced ------------
 
 
-def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
+def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7), layer_dtype=None):
     """One training step of SyncBatchNorm(5). ``forced``: the CUDA path on this rank (a
     bool), or each rank's path, a tuple of "cuda" (forced), "cpu" and "portable" (the
     path that torch.compile traces and other devices take)."""
@@ -101,12 +101,12 @@ def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7)):
     if path == "portable":
         fingerprint.IMMEDIATE_DEVICES.discard("cpu")
     try:
-        return _cuda_path_step(group, rank, layout, sizes, dtype, ratio, path == "cuda", tail)
+        return _cuda_path_step(group, rank, layout, sizes, dtype, ratio, path == "cuda", tail, layer_dtype)
     finally:
         fingerprint.IMMEDIATE_DEVICES.add("cpu")
 
 
-def _cuda_path_step(group, rank, layout, sizes, dtype, ratio, forced, tail):
+def _cuda_path_step(group, rank, layout, sizes, dtype, ratio, forced, tail, layer_dtype=None):
     import contextlib
 
     import syncbn
@@ -118,7 +118,7 @@ def _cuda_path_step(group, rank, layout, sizes, dtype, ratio, forced, tail):
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     dy = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype)
-    layer = syncbn.SyncBatchNorm(5, momentum=1.0, process_group=group).to(dtype)
+    layer = syncbn.SyncBatchNorm(5, momentum=1.0, process_group=group).to(layer_dtype or dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.linspace(0.5, 2, 5))
         layer.bias.copy_(torch.linspace(-1, 1, 5))
@@ -145,6 +145,28 @@ def test_cuda_path_matches_the_cpu_path_in_float64(pool, layout, sizes):
         assert a["format_kept"]
         for key in ("y", "dx", "dw", "db", "running_var"):
             torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_path_half_inputs_match_the_cpu_path(pool, dtype):
+    """Half inputs beside float32 parameters (as under autocast), W = 3, channels-last, an
+    empty rank. CUDA's statistics kernel returns float32 statistics of a half input (its
+    stand-in here must too: the CPU kernel, without float32 buffers, returns them rounded to
+    half, off by ~u_half). Both paths compute in float32 or better and round the output
+    and input gradient once to the input dtype: within 2 u (u = 2^-11 float16, 2^-8
+    bfloat16) of each other relative to the largest value. The float32 parameter
+    gradients and the running variance differ by the float32 sums' order, n u_32 ~ 2e-6
+    for n <= 336 elements per channel and rank: bound 1e-5."""
+    u = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    sizes = (3, 0, 5)
+    cuda = pool.run(cuda_path_job, 3, "channels_last", sizes, dtype, 1.0, True, (6, 7), torch.float32)[:3]
+    cpu = pool.run(cuda_path_job, 3, "channels_last", sizes, dtype, 1.0, False, (6, 7), torch.float32)[:3]
+    for a, b in zip(cuda, cpu):
+        assert a["y"].dtype == dtype and a["running_var"].dtype == torch.float32
+        for key, rel in (("y", 2 * u), ("dx", 2 * u), ("dw", 1e-5), ("db", 1e-5), ("running_var", 1e-5)):
+            gap = (a[key].double() - b[key].double()).abs().max() if a[key].numel() else torch.tensor(0.0)
+            scale = max(float(b[key].double().abs().max()), 1.0) if b[key].numel() else 1.0
+            assert torch.isfinite(gap) and gap <= rel * scale, (key, float(gap), rel * scale)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])

@@ -5,7 +5,8 @@ sharing GPU 0) check the CUDA path of ``syncbn.SyncBatchNorm``:
 - **oracle**: output, input/weight/bias gradients and running buffers of
   ``SyncBatchNorm`` and ``SyncBatchNormAct`` (leaky_relu) against float64 batch norm on
   the concatenated batch, uneven and empty ranks, both layouts, float32 and float64
-  (bounds: those of ``tests/bn_oracle.py``, 1e-4 and 1e-10 relative);
+  (bounds: those of ``tests/bn_oracle.py``, 1e-4 and 1e-10 relative), and float16 and
+  bfloat16 inputs beside float32 parameters, as under autocast (:func:`_oracle_bounds`);
 - **numerics**: merged variance at |mean|/std = 1e3 and 1e4 on (2, 16, 256, 256) per
   rank, float32, against float64 (the issue's CUDA bars: 1e-5 and 1e-4);
 - **counts**: passes, launches and host syncs per call on the real device (no stand-ins);
@@ -88,6 +89,29 @@ def _grid(dev, shapes):
         yield shape, layout, x, torch.randn_like(x)
 
 
+
+def _oracle_bounds() -> dict:
+    """Relative error bounds of the oracle section by input dtype and layer.
+
+    float32 and float64: those of ``tests/bn_oracle.py``. Half inputs (float32 weights,
+    as under autocast) are normalized in float32 and rounded once to the input dtype, an
+    error of u (the unit roundoff, 2^-11 for float16, 2^-8 for bfloat16) relative to the
+    largest value: bound 4u. SyncBatchNormAct recovers x-hat from its half output, within
+    its amplification budget B times u (B = 2^3 float16, 2^2 bfloat16; see
+    :mod:`syncbn.batchnorm_act`), which enters the gradients once: bound 4Bu."""
+    import torch
+
+    from ..batchnorm_act import AMPLIFICATION_BUDGET
+
+    bounds = {
+        torch.float32: {"SyncBatchNorm": 1e-4, "SyncBatchNormAct": 1e-4},
+        torch.float64: {"SyncBatchNorm": 1e-10, "SyncBatchNormAct": 1e-10},
+    }
+    for dtype, u in ((torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)):
+        bounds[dtype] = {"SyncBatchNorm": 4 * u, "SyncBatchNormAct": 4 * AMPLIFICATION_BUDGET[dtype] * u}
+    return bounds
+
+
 def oracle_job(device: str) -> list:
     """Every rank: its results beside the float64 oracle's; rank 0 returns the errors."""
     import torch
@@ -98,11 +122,13 @@ def oracle_job(device: str) -> list:
 
     dev = _setup(device)
     rank = dist.get_rank()
+    bounds = _oracle_bounds()
     rows = []
     for impl, dtype, layout, sizes in itertools.product(
-        ("SyncBatchNorm", "SyncBatchNormAct"), (torch.float32, torch.float64),
+        ("SyncBatchNorm", "SyncBatchNormAct"), tuple(bounds),
         ("contiguous", "channels_last"), ((3, 2), (4, 0)),
     ):
+        pdtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # as under autocast
         gen = torch.Generator().manual_seed(11)
         xs = [torch.randn(n, 5, 6, 7, generator=gen, dtype=torch.float64) * 2 + 3 for n in sizes]
         dys = [torch.randn(n, 5, 6, 7, generator=gen, dtype=torch.float64) for n in sizes]
@@ -112,7 +138,7 @@ def oracle_job(device: str) -> list:
         x = xs[rank].to(dev, dtype).clone(memory_format=fmt).requires_grad_()
         layer = (syncbn.SyncBatchNorm(5, momentum=1.0) if impl == "SyncBatchNorm" else
                  syncbn.SyncBatchNormAct(5, momentum=1.0, activation="leaky_relu",
-                                         activation_param=SLOPE)).to(dev, dtype)
+                                         activation_param=SLOPE)).to(dev, pdtype)
         with torch.no_grad():
             layer.weight.copy_(w)
             layer.bias.copy_(b)
@@ -141,7 +167,7 @@ def oracle_job(device: str) -> list:
                 "buffers": rel(torch.stack([layer.running_mean, layer.running_var]), torch.stack([rm, rv]))}
         worst = torch.tensor(list(errs.values()), dtype=torch.float64, device=dev)  # NCCL: on the GPU
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        bound = 1e-4 if dtype == torch.float32 else 1e-10
+        bound = bounds[dtype][impl]
         rows.append({"impl": impl, "dtype": str(dtype), "layout": layout, "sizes": list(sizes), "bound": bound,
                      "errors": dict(zip(errs, worst.tolist())), "passed": bool((worst < bound).all())})
     return rows if rank == 0 else None
