@@ -61,7 +61,6 @@ def _forcing(device: str):
     return stats._forced_cuda_path() if device == "cpu" else contextlib.nullcontext()
 
 
-
 def _makers(device: str, fused: bool = True) -> dict:
     """The timed layers by name, each made from ``(channels, process group)``:
     torch.nn.SyncBatchNorm on CUDA only (it refuses CPU tensors)."""
@@ -87,7 +86,6 @@ def _grid(dev, shapes):
         fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
         x = torch.randn(shape, device=dev).contiguous(memory_format=fmt).requires_grad_()
         yield shape, layout, x, torch.randn_like(x)
-
 
 
 def _oracle_bounds() -> dict:
@@ -421,16 +419,16 @@ def graphs_job(device: str, repeats: int) -> list:
     (forward and input/parameter gradients) in a group of two emulated without
     communication (:class:`_NoCommunication`), captured in a CUDA graph and replayed, so
     no host work is timed: what the kernels themselves take. Each row is the median over
-    ``repeats`` blocks of 20 replays (1 on the CPU), timed by the wall clock between
-    synchronizations."""
+    ``repeats`` blocks of 20 replays (1 on the CPU), after five, timed by the wall clock
+    between synchronizations (:func:`_median_ms`), per replay."""
     import torch
     import torch.distributed as dist
 
     dev = _setup(device)
     rows = []
     if dist.get_rank() == 0:
+        clock = _Clock(device)
         makers = _makers(device, fused=False)
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         block = 20 if device == "cuda" else 1  # the CPU dry run only checks the code
         for shape, layout, x, dy in _grid(dev, SHAPES + [BIG]):
             for name, make in makers.items():
@@ -440,16 +438,8 @@ def graphs_job(device: str, repeats: int) -> list:
                 try:
                     with _forcing(device), _NoCommunication():
                         replay = _replayable(device, lambda: torch.autograd.grad(layer(x), inputs, dy))
-                        times = []
-                        for i in range(repeats + 2):
-                            sync()
-                            start = time.perf_counter()
-                            for _ in range(block):
-                                replay()
-                            sync()
-                            if i >= 2:
-                                times.append((time.perf_counter() - start) / block)
-                    row["median_ms"] = 1e3 * statistics.median(times)
+                        whole, _ = _median_ms(clock, lambda: [replay() for _ in range(block)], repeats)
+                    row["median_ms"] = whole / block
                 except Exception as exc:  # rank 0 alone: nothing waits on it
                     row["error"] = repr(exc)
                 rows.append(row)
@@ -458,7 +448,7 @@ def graphs_job(device: str, repeats: int) -> list:
     return rows if dist.get_rank() == 0 else None
 
 
-def compile_job(device: str) -> dict:
+def compile_job(device: str) -> list:
     """``torch.compile(fullgraph=True)`` of a converted Conv-BN-ReLU-Linear model on
     ``device``, two SGD steps on uneven float64 batches, against the same model eager."""
     import torch
@@ -504,8 +494,8 @@ def compile_job(device: str) -> dict:
     worst = torch.tensor([err], dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     err = float(worst)
-    return {"rel_error": err, "bound": 1e-9, "passed": bool(err <= 1e-9),
-            "seconds": round(time.time() - started, 1)} if rank == 0 else None
+    return [{"rel_error": err, "bound": 1e-9, "passed": bool(err <= 1e-9),
+             "seconds": round(time.time() - started, 1)}] if rank == 0 else None
 
 
 def main(argv=None) -> int:
@@ -540,8 +530,6 @@ def main(argv=None) -> int:
                 report[name] = pool.run(job, args.device, *extra)[0]
             except Exception as exc:  # keep the other sections
                 report[name] = {"error": repr(exc)}
-            if isinstance(report[name], dict) and "error" not in report[name]:
-                report[name] = [report[name]]
             (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     report["seconds"] = round(time.time() - started, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
@@ -558,7 +546,8 @@ def timing_summary(rows: list) -> dict:
     bench's bars use: syncbn over BatchNorm2d alone (W = 1), syncbn minus its all-reduces
     over BatchNorm2d (W = 2), the same for BatchNorm2d with syncbn's all-reduces (the
     control), and syncbn over torch.nn.SyncBatchNorm (W = 2, whole steps); the same
-    for the steps of a group of two emulated in one process (``emulated_job``)."""
+    for the steps of a group of two emulated in one process (``emulated_job``) and for
+    their CUDA-graph replays (``graphs_job``)."""
     em, gr = "2, emulated", "2, emulated, graph"
     at = {(tuple(r["shape"]), r["layout"], r["impl"], r["world"]): r for r in rows if "error" not in r}
     points = sorted({(k[0], k[1]) for k in at})
