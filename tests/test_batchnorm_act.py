@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
-from syncbn import batchnorm_act, fingerprint
+from syncbn import batchnorm_act, fingerprint, stats
 from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, make_data, max_rel_err, oracle
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
@@ -1269,3 +1269,44 @@ def test_no_measurement_a_tracing_tool_could_inflate():
     xr = x0.double().requires_grad_()
     (ref(xr) * 2).sum().backward()
     _close64(x.grad, xr.grad, 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "(N, C)"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("path", ["local", "general", "cuda path"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_never_hands_functional_batch_norm_a_zero_eps(monkeypatch, layout, dtype, path, inplace):
+    """torch 2.10 and 2.11 made ``F.batch_norm`` refuse eps <= 0 in training and in eval
+    alike (a GPU run on torch 2.11 raised it inside the fused layer's normalization;
+    2.13 refuses it only in training). The layer's own inner normalizations use eps = 0
+    on purpose (the variance already holds the user's eps), so they must not go through
+    ``F.batch_norm``: here it refuses eps <= 0 as those versions do, and every path,
+    layout, dtype and mode of both layers runs forward and backward under it."""
+    real = F.batch_norm
+
+    def strict(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+        if eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive, but got {eps}")
+        return real(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+    monkeypatch.setattr(torch.nn.functional, "batch_norm", strict)
+    if path != "local":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    if path == "cuda path":  # CUDA's choices on the CPU (the statistics kernel's stand-in)
+        monkeypatch.setattr(stats, "_FORCE_CUDA_PATH", True)
+    gen = torch.Generator().manual_seed(11)
+    shape = (6, 4) if layout == "(N, C)" else (3, 4, 5, 6)
+    for offset in (0.5, 1e3):  # near zero the one-pass kernel runs, far from it the centered path
+        x = (torch.randn(shape, generator=gen, dtype=torch.float64) + offset).to(dtype)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        pdtype = torch.float32 if dtype == torch.bfloat16 else dtype  # half inputs, float32 parameters
+        for layer in (syncbn.SyncBatchNormAct(4, "leaky_relu", 0.1, dtype=pdtype, inplace=inplace),
+                      syncbn.SyncBatchNorm(4, dtype=pdtype)):
+            for training in (True, False):
+                layer.train(training)
+                src = x.clone().requires_grad_()
+                y = layer(src * 1)
+                assert torch.isfinite(y).all()
+                (g,) = torch.autograd.grad(y.float().square().sum(), src)
+                assert torch.isfinite(g).all() and g.dtype == dtype

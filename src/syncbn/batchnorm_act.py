@@ -248,16 +248,11 @@ def _normalize(x: Tensor, mean: Tensor, var: Tensor, scale: Tensor, beta: Tensor
     if x.device.type in stats.NATIVE_KERNEL_DEVICES and (
         cdtype != x.dtype or not _centering_needed(mean, var, x.device)
     ):
-        # the native inference kernel, in one pass in any memory layout (half: in
-        # float32, rounded once, its error far below half's)
-        ones = torch.ones_like(mean)
-        if not inplace:
-            return F.batch_norm(x, mean, ones, scale, beta, False, 0.0, 0.0)
-        empty = x.new_empty(0, dtype=cdtype)
-        torch.ops.aten.native_batch_norm.out(
-            x, scale, beta, mean, ones, False, 0.0, 0.0, out=x, save_mean=empty, save_invstd=empty.clone()
-        )
-        return x
+        # one pass, x * scale + (beta - mean * scale), in any memory layout (half: the
+        # native kernel in float32, rounded once, its error far below half's). Through
+        # aten, not F.batch_norm: torch 2.10 and 2.11 (F.batch_norm) refuse eps = 0 even
+        # outside training.
+        return stats.affine(x, mean, scale, beta, out=x if inplace else None)
     shape = _channel_shape(x.dim(), x.shape[1])
     scale = scale.view(shape)
     y = x if inplace else torch.empty_like(x)
