@@ -21,6 +21,7 @@ from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, make_d
 from syncbn.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.traffic import record_collectives
 from workers import group_of, in_group
+from torch_compat import torch_batchnorm
 
 DTYPE_NAMES = ["float32", "float64", "bfloat16", "float16"]
 ACTS = {"leaky_relu": (0.01, 0.2, 1.5), "elu": (1.0, 0.3), "identity": (0.01,)}
@@ -374,7 +375,7 @@ def test_batchnorm2d_checkpoint_loads_and_matches():
     back = nn.BatchNorm2d(6)
     back.load_state_dict(ours.state_dict())
     no_bias = syncbn.SyncBatchNormAct(6, bias=False)
-    assert no_bias.bias is None and list(no_bias.state_dict()) == list(nn.BatchNorm2d(6, bias=False).state_dict())
+    assert no_bias.bias is None and list(no_bias.state_dict()) == list(torch_batchnorm(nn.BatchNorm2d, 6, bias=False).state_dict())
 
 
 @pytest.mark.parametrize(

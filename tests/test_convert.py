@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import syncbn
 from verify_models import BasicBlock  # the same torchvision-style block the verify tests use
+from torch_compat import torch_batchnorm
 
 
 def tiny_resnet():
@@ -75,7 +76,7 @@ def test_round_trip_keeps_outputs_and_state():
 
 
 def test_keeps_flags_dtype_and_missing_bias():
-    model = nn.Sequential(nn.BatchNorm2d(4, bias=False), nn.BatchNorm3d(2, track_running_stats=False))
+    model = nn.Sequential(torch_batchnorm(nn.BatchNorm2d, 4, bias=False), nn.BatchNorm3d(2, track_running_stats=False))
     model = model.double()
     model[0].weight.requires_grad_(False)
     model.eval()
@@ -87,7 +88,7 @@ def test_keeps_flags_dtype_and_missing_bias():
     assert out[1].running_mean is None and not out[1].track_running_stats
     back = syncbn.revert_sync_batchnorm(out)
     assert type(back[0]) is nn.BatchNorm2d and type(back[1]) is nn.BatchNorm3d
-    assert back[0].bias is None and list(back[0].state_dict()) == list(nn.BatchNorm2d(4, bias=False).state_dict())
+    assert back[0].bias is None and list(back[0].state_dict()) == list(torch_batchnorm(nn.BatchNorm2d, 4, bias=False).state_dict())
 
 
 def test_top_level_and_torch_syncbn_are_converted():

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
+from torch_compat import torch_batchnorm
 
 FIELDS = ("num_features", "eps", "momentum", "affine", "track_running_stats")
 
@@ -44,9 +45,9 @@ class Group:
 def make_bn(cls, kwargs, group=None):
     """The layer with every parameter and buffer away from its initial value."""
     if cls is nn.SyncBatchNorm:
-        bn = cls(**kwargs, process_group=group)
+        bn = torch_batchnorm(cls, **kwargs, process_group=group)
     else:
-        bn = cls(**kwargs)
+        bn = torch_batchnorm(cls, **kwargs)
     gen = torch.Generator().manual_seed(kwargs["num_features"])
     with torch.no_grad():
         for t in list(bn.parameters()) + [b for b in bn.buffers() if b.is_floating_point()]:
