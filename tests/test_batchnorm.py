@@ -172,6 +172,8 @@ def test_same_as_torch_on_torch_module_inputs(cls, dtype, training):
 @pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d])
 def test_same_errors_as_torch_on_torch_error_inputs(cls):
     info = _torch_module_inputs(cls)
+    if info.module_error_inputs_func is None:  # torch 2.4's module_db lists none for batch norm
+        pytest.skip(f"this torch lists no error inputs for {cls.__name__}")
     errors = info.module_error_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=False, training=True)
     assert errors
     for err in errors:

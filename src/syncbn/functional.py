@@ -66,7 +66,11 @@ def _pack_moments_eager(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 _pack_moments_op = None
 if hasattr(torch.library, "custom_op"):
-    _pack_moments_op = torch.library.custom_op("syncbn::pack_moments", mutates_args=())(_pack_moments_eager)
+    # the schema written out: torch 2.4 cannot infer it from this module's string
+    # annotations (``from __future__ import annotations``)
+    _pack_moments_op = torch.library.custom_op(
+        "syncbn::pack_moments", mutates_args=(), schema="(Tensor x, ScalarType dtype) -> Tensor"
+    )(_pack_moments_eager)
 
     @_pack_moments_op.register_fake
     def _(x: Tensor, dtype: torch.dtype) -> Tensor:

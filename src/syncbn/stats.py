@@ -362,7 +362,11 @@ def move_buffer(buffer, value, momentum, ok=None, moved=None) -> None:
     """``buffer.lerp_(value, momentum)`` where ``ok`` holds (None: always). Where it does
     not, the buffer keeps its bits whatever it and ``value`` hold (``torch.where``, no host
     read; a lerp by 0 would still write NaN from a non-finite value). ``moved``: the lerp,
-    computed already."""
+    computed already. A 0-d tensor ``momentum`` is cast to the buffer's dtype first: torch
+    2.4's lerp takes no weight of another dtype, and newer ones cast it to that dtype anyway
+    (bit for bit the same)."""
+    if isinstance(momentum, torch.Tensor):
+        momentum = momentum.to(buffer.dtype)
     if ok is None:
         buffer.lerp_(value, momentum)
         return
@@ -383,8 +387,8 @@ def affine(x: torch.Tensor, mean, scale, shift, out=None) -> torch.Tensor:
         offset = torch.addcmul(shift, mean, scale, value=-1)
         return torch.addcmul(offset.view(shape), x, scale.view(shape), out=out)
     ones = constant(_filled, (1.0, mean.shape[0]), mean.dtype, mean.device)
-    if out is None:
-        return torch.batch_norm(x, scale, shift, mean, ones, False, 0.0, 0.0, False)
+    if out is None:  # mean detached: torch 2.4's compiler refuses a running mean that may need grad
+        return torch.batch_norm(x, scale, shift, mean.detach(), ones, False, 0.0, 0.0, False)
     empty = x.new_empty(0, dtype=mean.dtype)
     return torch.ops.aten.native_batch_norm.out(
         x, scale, shift, mean, ones, False, 0.0, 0.0, out=out, save_mean=empty, save_invstd=empty.clone()
@@ -682,8 +686,18 @@ def _standins():
     ops = (_normalize_standin, _input_grad_standin, _backward_reduce_standin)
     if not hasattr(torch.library, "custom_op"):
         return ops
-    names = ("batch_norm_elemt_standin", "batch_norm_backward_elemt_standin", "batch_norm_backward_reduce_standin")
-    return tuple(torch.library.custom_op(f"syncbn::{name}", mutates_args=())(op) for name, op in zip(names, ops))
+    # the schemas written out: torch 2.4 cannot infer them from string annotations
+    schemas = {
+        "batch_norm_elemt_standin": "(Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor invstd) -> Tensor",
+        "batch_norm_backward_elemt_standin": "(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, "
+        "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor",
+        "batch_norm_backward_reduce_standin": "(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight) "
+        "-> (Tensor, Tensor, Tensor, Tensor)",
+    }
+    return tuple(
+        torch.library.custom_op(f"syncbn::{name}", mutates_args=(), schema=schema)(op)
+        for (name, schema), op in zip(schemas.items(), ops)
+    )
 
 
 def cuda_normalize(x, weight, bias, mean, invstd) -> torch.Tensor:
