@@ -584,6 +584,16 @@ def _eval_buffers(running_mean, running_var, needs_grad: bool):
             None if running_var is None else running_var.clone())
 
 
+@distributed.eager_unless_traceable
+def _synchronized(layer, input, running_mean, running_var, momentum, syncing: bool, inplace: bool):
+    """The layer's general call: its fingerprint (when it communicates) and the function."""
+    tag = fingerprint.forward_tag(layer, layer.num_features, layer.process_group) if syncing else None
+    return _SyncBatchNormAct.apply(
+        input, layer.weight, layer.bias, running_mean, running_var, layer.eps, momentum,
+        layer.process_group, syncing, layer.activation, layer.activation_param, inplace, tag,
+    )
+
+
 class SyncBatchNormAct(_SyncNormBase):
     r"""Synchronized batch normalization followed by an invertible activation, keeping
     only the output for the backward pass.
@@ -688,11 +698,7 @@ class SyncBatchNormAct(_SyncNormBase):
                 input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
                 self.activation, self.activation_param, inplace,
             )
-        tag = fingerprint.forward_tag(self, self.num_features, self.process_group) if syncing else None
-        return _SyncBatchNormAct.apply(
-            input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
-            self.process_group, syncing, self.activation, self.activation_param, inplace, tag,
-        )
+        return _synchronized(self, input, running_mean, running_var, momentum, syncing, inplace)
 
     def extra_repr(self) -> str:
         text = f"{self.num_features}, activation={self.activation!r}"

@@ -69,6 +69,19 @@ def compiling() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
+# torch.compile traces the synchronized call whole on torch 2.11 and 2.13 (tested). torch
+# 2.4's compiler cannot trace its backward, and after a recompile with dynamic shapes it
+# raised inside the layer fingerprint on the recompiling rank alone, leaving the other ranks
+# in their collective. Before 2.11 the call is therefore left out of the graph: it runs
+# eagerly (a graph break, as torch.nn.SyncBatchNorm's call does), with eager's fingerprint.
+TRACEABLE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
+
+
+def eager_unless_traceable(fn):
+    """``fn``, or on a torch before 2.11 ``fn`` that torch.compile runs eagerly."""
+    return fn if TRACEABLE else torch.compiler.disable(fn)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over every rank of ``group`` and return the result.
 

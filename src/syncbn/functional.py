@@ -384,6 +384,11 @@ def sync_batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
+
+
+@distributed.eager_unless_traceable
+def _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name):
     tag = fingerprint.forward_tag(layer, input.shape[1], process_group, name)
     return _SyncBatchNorm.apply(
         input, weight, bias, running_mean, running_var, eps, momentum, process_group, tag
