@@ -57,3 +57,24 @@ def test_wire_bytes_model():
     assert wire_bytes("all_reduce", 800, 4) == 1200
     assert wire_bytes("all_gather", 100, 8) == 700
     assert wire_bytes("all_reduce", 800, 1) == 0
+
+
+def test_eager_unless_traceable_keeps_the_call_out_of_a_graph(monkeypatch):
+    """On a torch before 2.11 (TRACEABLE false) the synchronized call is kept out of
+    torch.compile's graph: fullgraph then raises at it, and without fullgraph it runs
+    eagerly. From 2.11 the function is returned as it is."""
+    from syncbn import distributed
+
+    def double(x):
+        return x * 2
+
+    assert distributed.eager_unless_traceable(double) is double or not distributed.TRACEABLE
+    monkeypatch.setattr(distributed, "TRACEABLE", False)
+    kept_out = distributed.eager_unless_traceable(double)
+    assert kept_out is not double
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)disable|skip"):
+        torch.compile(lambda x: kept_out(x) + 1, fullgraph=True)(torch.ones(3))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(lambda x: kept_out(x) + 1)(torch.ones(3)), torch.full((3,), 3.0))
+    torch._dynamo.reset()
