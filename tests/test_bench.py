@@ -83,12 +83,41 @@ def test_quick_times_every_installed_peer(quick):
         assert (key, 2) in seen and (key, None) not in seen, key
         assert all(r["ratio_to_bn"] > 0 for r in rows if r["impl"] == key)
     assert ("bn_collectives", 2) not in seen  # only its time without the all-reduces is a row
+    # syncbn's synchronized step in a group of two emulated in the single process
+    assert ("syncbn_emulated", None) in seen
+    assert all(r["world"] is None and r["ratio_to_bn"] > 0 for r in rows if r["impl"] == "syncbn_emulated")
     refused = {(r["impl"], r["world"]) for r in rep["timing"]["refusals"]}
     # torch.nn.SyncBatchNorm refuses CPU inputs: a result, not a crash (or, one day, a row)
     assert ("torch_syncbn", 2) in refused or ("torch_syncbn", 2) in seen
     skipped = {s["peer"] for s in rep["skipped"]}
     for key in ("keras_sync", "syncbn_keras", "flax"):
         assert key in skipped or (key, 2) in seen, key
+
+
+def test_emulated_step_takes_the_synchronized_path(monkeypatch):
+    """The emulated group of two runs syncbn's synchronized call (two all-reduces, the
+    running variance of a batch counted twice) and refuses a layer that would not."""
+    import torch
+
+    from syncbn.bench import torch_peer
+
+    x = torch.randn(3, 4, 5, 5, requires_grad=True)
+    dy = torch.randn_like(x)
+    built = []
+    real_build = torch_peer.build
+    monkeypatch.setattr(torch_peer, "build", lambda key, channels: built.append(real_build(key, channels)) or built[-1])
+    step, _ = torch_peer.emulated_step(4, x, dy)
+    step()
+    layer = built[0]
+    # two steps (the check and this one), momentum 0.1, from ones, towards the unbiased
+    # variance over the doubled count 2n: var_b * 2n / (2n - 1)
+    n = x[:, 0].numel()
+    var = x.detach().var(dim=(0, 2, 3), unbiased=False).double() * (2 * n) / (2 * n - 1)
+    expected = 1 + (var - 1) * (1 - 0.9**2)
+    assert torch.allclose(layer.running_var.double(), expected, rtol=1e-5, atol=0)
+    monkeypatch.setattr(torch_peer, "build", lambda key, channels: torch.nn.BatchNorm2d(channels))
+    with pytest.raises(RuntimeError, match="made 0 all-reduce"):
+        torch_peer.emulated_step(4, x, dy)
 
 
 def test_quick_keras_multiworker_row(quick):

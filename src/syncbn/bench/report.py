@@ -33,6 +33,7 @@ PROBES = {
     "collectives": "syncbn's two all-reduces alone (gloo)",
     "syncbn_compute": "syncbn.SyncBatchNorm minus its all-reduces (timed inside the call)",
     "bn_collectives_compute": "torch.nn.BatchNorm2d with syncbn's two all-reduces made in its step, minus them",
+    "syncbn_emulated": "syncbn.SyncBatchNorm at W=2 emulated in one process (all-reduces double: no communication)",
 }
 ORDER = list(PEERS) + list(PROBES)
 
@@ -274,6 +275,12 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict) -> List[dict]:
         # beside it, what two blocking all-reduces in a step do to BatchNorm2d's own work
         bars[-1]["figure"] += (f"; BatchNorm2d with the same two all-reduces in its step, minus them: median "
                                f"{same_steps['median_ratio_to_bn']:.2f}x (no bar)")
+    emulated = summary.get(("syncbn_emulated", None))
+    if emulated and emulated["median_ratio_to_bn"] is not None and bars[-1]["passed"] is not None:
+        # the layer's own work with no gloo and no second process on the cores
+        bars[-1]["figure"] += (f"; syncbn's synchronized step emulated in one process (no communication): median "
+                               f"{emulated['median_ratio_to_bn']:.2f}x, {emulated['min_ratio_to_bn']:.2f}-"
+                               f"{emulated['max_ratio_to_bn']:.2f}x (no bar)")
 
     keras_rows = [r for r in timing["rows"] if r["impl"] == "keras_sync" and r["world"] == 2 and "ratio_to_syncbn" in r]
     name = "syncbn at W = 2 faster than Keras synchronized BN at 2 replicas, same global batch"

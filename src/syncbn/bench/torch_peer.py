@@ -96,6 +96,32 @@ def timed_layer_step(layer, x, dy, blocks: list):
     return timed_step, clock.sync
 
 
+def emulated_step(channels: int, x, dy):
+    """syncbn.SyncBatchNorm's synchronized training step in a group of two emulated in
+    this process (:class:`syncbn.bench.gpu_check._NoCommunication`: each all-reduce
+    doubles its tensor, no process group, no second process): the layer's own work on
+    the CPU path, with neither gloo nor a second process on the VM's cores. Checked
+    once before it is returned: the call makes its two all-reduces, so it really takes
+    the synchronized path."""
+    from .. import distributed
+    from .gpu_check import _NoCommunication
+
+    step, sync = layer_step(build("syncbn", channels), x, dy)
+    made = []
+    with _NoCommunication():
+        doubling = distributed.all_reduce_sum
+        distributed.all_reduce_sum = lambda tensor, group=None: made.append(1) or doubling(tensor, group)
+        step()
+    if len(made) != 2:
+        raise RuntimeError(f"the emulated group of two made {len(made)} all-reduce(s) in a training step, not 2")
+
+    def emulated():
+        with _NoCommunication():
+            step()
+
+    return emulated, sync
+
+
 def bn_collectives_step(channels: int, x, dy, group, blocks: list):
     """torch.nn.BatchNorm2d with syncbn's two all-reduces (their sizes and dtypes, the
     fingerprint included) made where a synchronized layer makes them, one after the
@@ -190,7 +216,9 @@ def try_layer(key: str, point: dict, group=None):
 
 
 def local_timing(plan: dict) -> dict:
-    """No process group: BatchNorm2d, SyncBatchNorm, torch.nn.SyncBatchNorm, interleaved."""
+    """No process group: BatchNorm2d, SyncBatchNorm, torch.nn.SyncBatchNorm, and
+    SyncBatchNorm's synchronized step in an emulated group of two (:func:`emulated_step`),
+    interleaved."""
     refusals = {}
     keys = [k for k in ("torch_bn", "syncbn", "torch_syncbn") if k in plan["peers"] or k == "torch_bn"]
     keys += _block_keys(plan, refusals)
@@ -204,6 +232,9 @@ def local_timing(plan: dict) -> dict:
                 continue
             x, dy = make_input(point, i)
             candidates[key] = layer_step(build(key, point["C"]), x, dy)
+        if "syncbn" in keys:
+            x, dy = make_input(point, i)
+            candidates["syncbn_emulated"] = emulated_step(point["C"], x, dy)
         times = measure_interleaved(candidates, plan["repeats"], plan["warmup"], plan["min_block_s"])
         points.append(times)
     return {"world": None, "times": points, "refusals": refusals}
