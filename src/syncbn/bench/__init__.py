@@ -32,7 +32,8 @@ HELP = "measure syncbn against torch, Keras and Flax batch norms: speed, communi
 
 DESCRIPTION = """\
 Per-layer forward + backward time over a grid of shapes for torch.nn.BatchNorm2d,
-syncbn.SyncBatchNorm (no process group, and W gloo processes), torch.nn.SyncBatchNorm,
+syncbn.SyncBatchNorm (no process group, W gloo processes, and a group of two emulated
+in one process without communication), torch.nn.SyncBatchNorm,
 Keras BatchNormalization(synchronized=True) and syncbn.keras.SyncBatchNormalization
 under MirroredStrategy on W logical CPUs and under MultiWorkerMirroredStrategy with
 2 worker processes on 127.0.0.1 (beside syncbn's 2 gloo processes, a few grid points,
