@@ -340,7 +340,8 @@ class _NoCommunication:
     data: every all-reduce doubles its tensor in place and every all-gather copies it,
     with no communication (syncbn's ``all_reduce_sum`` and ``group_size``, and
     ``torch.distributed``'s ``all_reduce`` and ``all_gather`` that torch.nn.SyncBatchNorm
-    calls over gloo). What is left of a synchronized step is the layer's own work."""
+    calls over gloo). What is left of a synchronized step is the layer's own work.
+    ``all_reduces`` counts syncbn's all-reduces made in the block."""
 
     def __enter__(self):
         import torch.distributed as dist
@@ -350,7 +351,13 @@ class _NoCommunication:
         self.saved = [(distributed, "all_reduce_sum"), (distributed, "group_size"), (dist, "all_reduce"),
                       (dist, "all_gather")]
         self.saved = [(mod, name, getattr(mod, name)) for mod, name in self.saved]
-        distributed.all_reduce_sum = lambda tensor, group=None: tensor.mul_(2)
+        self.all_reduces = 0
+
+        def all_reduce_sum(tensor, group=None):
+            self.all_reduces += 1
+            return tensor.mul_(2)
+
+        distributed.all_reduce_sum = all_reduce_sum
         distributed.group_size = lambda group=None: 2
 
         def all_reduce(tensor, *args, **kwargs):
