@@ -184,6 +184,30 @@ def test_quick_numerics_and_memory(quick):
     assert rep["floor"]["bytes_per_s"] > 0
 
 
+def test_keras_bar_judges_equal_topology():
+    """The bar against Keras synchronized BN takes the multi-worker run (2 worker
+    processes beside syncbn's 2 gloo processes): it fails when syncbn is slower at any
+    one of its points, whatever the in-process MirroredStrategy rows say (a figure)."""
+    in_process = [{"impl": "keras_sync", "world": 2, "point": i, "ratio_to_syncbn": r} for i, r in enumerate((0.8, 2.0))]
+    timing = {"rows": in_process, "summary": []}
+    empty = ({"counted": []}, {"rows": [], "large_planes": []}, make_plan(quick=True))
+
+    def keras_bar(ratios):
+        mw = None if ratios is None else {"rows": [{"ratio_syncbn_torch_to_keras_sync": r} for r in ratios]}
+        bars = report._bars(timing, *empty, mw)
+        assert len(bars) == 10  # the CUDA bar is added by build()
+        return next(b for b in bars if "equal topology" in b["bar"])
+
+    passed = keras_bar([0.4, 0.9, None])  # a point without syncbn's torch figure is left out
+    assert passed["passed"] is True
+    assert "worst point 0.90x over 2 point(s)" in passed["figure"]
+    assert "one process" in passed["figure"] and "worst point 1.25x" in passed["figure"]  # 1 / 0.8
+    assert keras_bar([0.4, 1.0])["passed"] is False
+    assert keras_bar([0.3, 1.01, 0.2])["passed"] is False
+    missing = keras_bar(None)
+    assert missing["passed"] is None and missing["figure"].startswith("not measured")
+
+
 def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     monkeypatch.setattr(runner.plans, "installed", lambda peer: "nothing")
     notes = []

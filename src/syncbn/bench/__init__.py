@@ -36,8 +36,8 @@ syncbn.SyncBatchNorm (no process group, W gloo processes, and a group of two emu
 in one process without communication), torch.nn.SyncBatchNorm,
 Keras BatchNormalization(synchronized=True) and syncbn.keras.SyncBatchNormalization
 under MirroredStrategy on W logical CPUs and under MultiWorkerMirroredStrategy with
-2 worker processes on 127.0.0.1 (beside syncbn's 2 gloo processes, a few grid points,
-no bar), and Flax BatchNorm (both variance modes) and
+2 worker processes on 127.0.0.1 (beside syncbn's 2 gloo processes, a few grid points:
+the equal-topology comparison that the Keras bar judges), and Flax BatchNorm (both variance modes) and
 syncbn.flax.BatchNorm under pmap on W host devices, each in its own process(es) with the
 same threads per replica; the collectives and bytes of one layer call counted at the
 process group; the bytes saved
