@@ -264,7 +264,7 @@ def count_batchnorms(model: nn.Module):
 def setup():
     """Join the process group torchrun describes, or a group of one without torchrun."""
     if "RANK" not in os.environ:
-        from syncbn.launch import free_port
+        from syncbn.tools.launch import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))

@@ -7,7 +7,7 @@ The pool has 4 ranks; jobs that need a smaller world use the process groups of r
 import pytest
 
 import torchvision_shim
-from syncbn.launch import WorkerPool
+from syncbn.tools.launch import WorkerPool
 
 # PyPI's CUDA-built torchvision beside CPU torch: define the operator schemas its import
 # needs (a no-op where torchvision is absent or its extension loads); see torchvision_shim

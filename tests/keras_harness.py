@@ -105,7 +105,8 @@ def worker_env(backend, **extra):
 
 
 def start(script, args, env):
-    """Start ``python tests/<script> <args>`` in its own process group."""
+    """Start ``python tests/<script> <args>`` in its own process group (``script``: a path
+    under tests/, e.g. ``keras/keras_tf_checks.py``)."""
     return subprocess.Popen(
         [sys.executable, str(TESTS / script), *map(str, args)],
         cwd=str(ROOT),

@@ -4,42 +4,72 @@ Every BatchNorm layer of a model computes its mean and variance over the union o
 all ranks' batches, forward and backward, with one collective of O(C) values per
 layer call each way, numerically stable merging, uneven and empty ranks handled.
 
+The package, one sibling per framework (as einops keeps ``layers/torch.py``,
+``keras.py``, ``flax.py`` beside one core):
+
+- :mod:`syncbn.torch`: the PyTorch layers; their names are also this package's own
+  (``syncbn.SyncBatchNorm`` is ``syncbn.torch.SyncBatchNorm``);
+- :mod:`syncbn.keras`: Keras 3 (TensorFlow, JAX and torch backends);
+- :mod:`syncbn.flax`: Flax linen and nnx;
+- :mod:`syncbn.core`: what they share without a framework;
+- :mod:`syncbn.demo`, :mod:`syncbn.bench`, :mod:`syncbn.tools`: the ``syncbn`` command's
+  demo, benchmark and other tools (:mod:`syncbn.cli`).
+
 The PyTorch names below are imported lazily, on first use, so that
 ``import syncbn.keras`` works in an environment without torch, and
 ``import syncbn`` never imports TensorFlow.
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from . import _moved
+from ._version import __version__
 
-# public name -> module that defines it
-_LAZY = {
-    "SyncBatchNorm": "syncbn.batchnorm",
-    "SyncBatchNormAct": "syncbn.batchnorm_act",
-    "convert_sync_batchnorm": "syncbn.convert",
-    "revert_sync_batchnorm": "syncbn.convert",
-    "fuse_batchnorm_act": "syncbn.convert",
-    "checkpoint": "syncbn.recompute",
-    "register_conversion": "syncbn.convert",
-    "sync_groups": "syncbn.groups",
-    "precise_bn": "syncbn.precise_bn",
-    "functional": "syncbn.functional",
-    "check_agreement": "syncbn.fingerprint",
-    "name_layers": "syncbn.fingerprint",
-    "LayerMismatchError": "syncbn.layer_fingerprint",
-}
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
+    from .torch import (
+        LayerMismatchError,
+        SyncBatchNorm,
+        SyncBatchNormAct,
+        check_agreement,
+        checkpoint,
+        convert_sync_batchnorm,
+        functional,
+        fuse_batchnorm_act,
+        name_layers,
+        precise_bn,
+        register_conversion,
+        revert_sync_batchnorm,
+        sync_groups,
+    )
 
-__all__ = sorted(_LAZY) + ["__version__"]
+# public names, all defined by syncbn.torch (imported on first use)
+_TORCH_NAMES = (
+    "LayerMismatchError",
+    "SyncBatchNorm",
+    "SyncBatchNormAct",
+    "check_agreement",
+    "checkpoint",
+    "convert_sync_batchnorm",
+    "functional",
+    "fuse_batchnorm_act",
+    "name_layers",
+    "precise_bn",
+    "register_conversion",
+    "revert_sync_batchnorm",
+    "sync_groups",
+)
+
+__all__ = sorted(_TORCH_NAMES) + ["__version__"]
+
+# old module paths (syncbn.batchnorm, ...) keep importing, with a DeprecationWarning
+_moved.install()
 
 
 def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _TORCH_NAMES:
         raise AttributeError(f"module 'syncbn' has no attribute {name!r}")
-    mod = import_module(module)
-    # a function named like its module (precise_bn) wins over the module itself
-    value = getattr(mod, name, mod)
+    value = getattr(import_module("syncbn.torch"), name)
     globals()[name] = value
     return value
 

@@ -18,7 +18,7 @@ import sys
 from importlib import import_module
 from typing import Dict, List, Optional, Tuple
 
-from . import __version__
+from ._version import __version__
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -33,11 +33,11 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
         "measure syncbn against torch, Keras and Flax batch norms: speed, communication, memory, numerics",
     ),
     "verify": (
-        "syncbn.verify",
+        "syncbn.tools.verify",
         "check that syncbn on W local processes trains your model exactly like one process on the whole batch",
     ),
     "soak": (
-        "syncbn.soak",
+        "syncbn.tools.soak",
         "train small converted models for many steps at W=2 and check that memory, fds and threads stay flat",
     ),
 }

@@ -1,16 +1,16 @@
 """Communication per layer call: counted in a real run, and modelled for any W.
 
 Counted: inside a worker of a gloo process group, one ``syncbn.SyncBatchNorm`` call
-runs under :func:`syncbn.traffic.record_collectives`, which lists the collectives the
+runs under :func:`syncbn.tools.traffic.record_collectives`, which lists the collectives the
 process group itself executed (not what syncbn believes it sends), forward and
 backward separately, plus an eval-mode call, which must send nothing.
 
 Modelled, per rank and per layer call, for W from 2 to 1024, with the bytes on the
-wire of the usual bandwidth-optimal algorithms (:func:`syncbn.traffic.wire_bytes`):
+wire of the usual bandwidth-optimal algorithms (:func:`syncbn.tools.traffic.wire_bytes`):
 
 - syncbn: all_reduce of ``2C + 1`` float64 forward, all_reduce of ``2C`` values of
   the compute dtype (float32) backward, each followed by the layer fingerprint's 18
-  values (:mod:`syncbn.fingerprint`); the payload does not depend on W and the wire
+  values (:mod:`syncbn.torch.fingerprint`); the payload does not depend on W and the wire
   bytes stay below twice the payload.
 - ``torch.nn.SyncBatchNorm``: all_gather of ``2C + 1`` float32 per rank forward
   (mean, invstd, count), all_reduce of ``2C`` float32 backward; each rank receives the
@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import List
 
-from ..fingerprint import SIZE as FINGERPRINT
-from ..traffic import wire_bytes
+from ..torch.fingerprint import SIZE as FINGERPRINT
+from ..tools.traffic import wire_bytes
 
 __all__ = ["count_layer_collectives", "syncbn_model", "torch_syncbn_model", "table"]
 
@@ -35,9 +35,9 @@ def count_layer_collectives(channels: int, group=None) -> dict:
     ``SyncBatchNorm(channels)`` on this rank's ``group``; run it on every rank."""
     import torch
 
-    from ..batchnorm import SyncBatchNorm
-    from ..distributed import group_size
-    from ..traffic import record_collectives
+    from ..torch.batchnorm import SyncBatchNorm
+    from ..torch.distributed import group_size
+    from ..tools.traffic import record_collectives
 
     world = group_size(group)
     layer = SyncBatchNorm(channels, process_group=group)

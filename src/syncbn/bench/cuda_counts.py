@@ -1,7 +1,7 @@
 """Cost of one layer call on the CUDA code path, as counts that do not depend on hardware.
 
 No GPU is needed: the layer runs on the CPU with its device-dependent choices forced to
-the CUDA ones (``syncbn.stats._forced_cuda_path``), and every operation that reaches
+the CUDA ones (``syncbn.torch.stats._forced_cuda_path``), and every operation that reaches
 the dispatcher is recorded with its tensors' shapes (a ``TorchDispatchMode``, which sees
 the forward and the autograd engine's backward alike). Per call, forward and backward:
 
@@ -18,7 +18,7 @@ Three CUDA kernels of the path (``batch_norm_elemt``, ``batch_norm_backward_redu
 operators with the same inputs and outputs, recorded as one operation each, the way the
 CUDA kernel is one launch.
 
-The layer fingerprint's verdicts (:mod:`syncbn.fingerprint`) are read once per step, when
+The layer fingerprint's verdicts (:mod:`syncbn.torch.fingerprint`) are read once per step, when
 the backward pass ends, in a ``syncbn.check_agreement`` profiler range: its operations
 (2 launches, 1 host sync, whatever the number of layers) are counted apart, under
 ``per_step``, not in the layer call's counts.
@@ -115,18 +115,18 @@ def _record(func, args, kwargs, out, numel: int) -> dict:
 
 def count_call(layer, x, dy) -> Dict[str, dict]:
     """Forward and backward counts of ``layer(x)`` with output gradient ``dy``, on the
-    CUDA path (the caller's layer must take it: see :mod:`syncbn.stats`), in the steady
+    CUDA path (the caller's layer must take it: see :mod:`syncbn.torch.stats`), in the steady
     state: one step (forward and backward) runs first, uncounted, so the small constants
     the path keeps on the device exist already (on CUDA their first copy is a host sync,
     once per layer and process).
 
     The operations inside the ``syncbn.check_agreement`` profiler range (the layer
     fingerprint's verdicts of the whole step read at once when the backward pass ends,
-    :mod:`syncbn.fingerprint`) are counted apart, under ``per_step``: they are paid once
+    :mod:`syncbn.torch.fingerprint`) are counted apart, under ``per_step``: they are paid once
     per backward pass whatever the number of layers, not per layer call."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from .. import fingerprint, stats
+    from ..torch import fingerprint, stats
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
@@ -177,7 +177,7 @@ def layer_counts(spec: dict, group=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..batchnorm import SyncBatchNorm
+    from ..torch.batchnorm import SyncBatchNorm
 
     rows = []
     for shape in spec["shapes"]:
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     processes on this machine, both layouts), without the rest of ``syncbn bench``."""
     import argparse
 
-    from ..launch import WorkerPool
+    from ..tools.launch import WorkerPool
 
     parser = argparse.ArgumentParser(description="syncbn's CUDA path counted on the CPU, per layer call")
     parser.add_argument("--shape", type=int, nargs=4, default=[2, 64, 28, 28], metavar=("N", "C", "H", "W"))

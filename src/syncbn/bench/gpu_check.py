@@ -56,7 +56,7 @@ def _setup(device: str):
 def _forcing(device: str):
     import contextlib
 
-    from .. import stats
+    from ..torch import stats
 
     return stats._forced_cuda_path() if device == "cpu" else contextlib.nullcontext()
 
@@ -66,11 +66,11 @@ def _makers(device: str, fused: bool = True) -> dict:
     torch.nn.SyncBatchNorm on CUDA only (it refuses CPU tensors)."""
     import torch
 
-    import syncbn
+    from .. import torch as sbn
 
-    makers = {"syncbn.SyncBatchNorm": lambda c, g: syncbn.SyncBatchNorm(c, process_group=g)}
+    makers = {"syncbn.SyncBatchNorm": lambda c, g: sbn.SyncBatchNorm(c, process_group=g)}
     if fused:
-        makers["syncbn.SyncBatchNormAct"] = lambda c, g: syncbn.SyncBatchNormAct(c, process_group=g)
+        makers["syncbn.SyncBatchNormAct"] = lambda c, g: sbn.SyncBatchNormAct(c, process_group=g)
     makers["torch.nn.BatchNorm2d"] = lambda c, g: torch.nn.BatchNorm2d(c)
     if device == "cuda":
         makers["torch.nn.SyncBatchNorm"] = lambda c, g: torch.nn.SyncBatchNorm(c, process_group=g)
@@ -96,10 +96,10 @@ def _oracle_bounds() -> dict:
     error of u (the unit roundoff, 2^-11 for float16, 2^-8 for bfloat16) relative to the
     largest value: bound 4u. SyncBatchNormAct recovers x-hat from its half output, within
     its amplification budget B times u (B = 2^3 float16, 2^2 bfloat16; see
-    :mod:`syncbn.batchnorm_act`), which enters the gradients once: bound 4Bu."""
+    :mod:`syncbn.torch.batchnorm_act`), which enters the gradients once: bound 4Bu."""
     import torch
 
-    from ..batchnorm_act import AMPLIFICATION_BUDGET
+    from ..torch.batchnorm_act import AMPLIFICATION_BUDGET
 
     bounds = {
         torch.float32: {"SyncBatchNorm": 1e-4, "SyncBatchNormAct": 1e-4},
@@ -116,7 +116,7 @@ def oracle_job(device: str) -> list:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import syncbn
+    from .. import torch as sbn
 
     dev = _setup(device)
     rank = dist.get_rank()
@@ -134,8 +134,8 @@ def oracle_job(device: str) -> list:
         b = torch.linspace(-1, 1, 5, dtype=torch.float64)
         fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
         x = xs[rank].to(dev, dtype).clone(memory_format=fmt).requires_grad_()
-        layer = (syncbn.SyncBatchNorm(5, momentum=1.0) if impl == "SyncBatchNorm" else
-                 syncbn.SyncBatchNormAct(5, momentum=1.0, activation="leaky_relu",
+        layer = (sbn.SyncBatchNorm(5, momentum=1.0) if impl == "SyncBatchNorm" else
+                 sbn.SyncBatchNormAct(5, momentum=1.0, activation="leaky_relu",
                                          activation_param=SLOPE)).to(dev, pdtype)
         with torch.no_grad():
             layer.weight.copy_(w)
@@ -175,7 +175,7 @@ def numerics_job(device: str) -> list:
     import torch
     import torch.distributed as dist
 
-    import syncbn
+    from .. import torch as sbn
 
     dev = _setup(device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -183,7 +183,7 @@ def numerics_job(device: str) -> list:
     for ratio, bar in ((1e3, 1e-5), (1e4, 1e-4)):
         gen = torch.Generator().manual_seed(100 + rank)
         x = (torch.randn(2, 16, 256, 256, generator=gen, dtype=torch.float64) + ratio).float()
-        layer = syncbn.SyncBatchNorm(16, momentum=1.0).to(dev)
+        layer = sbn.SyncBatchNorm(16, momentum=1.0).to(dev)
         with _forcing(device):
             layer(x.to(dev))
         xd = x.double().to(dev)
@@ -201,7 +201,7 @@ def counts_job(device: str) -> list:
     import torch
     import torch.distributed as dist
 
-    import syncbn
+    from .. import torch as sbn
 
     from . import cuda_counts
 
@@ -211,7 +211,7 @@ def counts_job(device: str) -> list:
         fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
         x = torch.randn(8, 64, 56, 56, device=dev).contiguous(memory_format=fmt).requires_grad_()
         dy = torch.randn_like(x)
-        counts = cuda_counts.count_call(syncbn.SyncBatchNorm(64).to(dev), x, dy)
+        counts = cuda_counts.count_call(sbn.SyncBatchNorm(64).to(dev), x, dy)
         rows.append({"layout": layout, **{w: {k: v for k, v in counts[w].items() if k != "ops"} for w in counts},
                      "ops": {w: [o["op"] for o in counts[w]["ops"]] for w in counts}})
     return rows if dist.get_rank() == 0 else None
@@ -264,13 +264,13 @@ def _median_ms(clock: "_Clock", step, repeats: int, barrier=None) -> tuple:
 def timing_job(device: str, repeats: int) -> list:
     """Rank 0's rows. W = 2 rows: the slower rank's median; "minus all-reduces" rows
     take out the time of syncbn's two all-reduces (patched in at
-    ``syncbn.distributed.all_reduce_sum``), and BatchNorm2d "with all-reduces" makes two
+    ``syncbn.torch.distributed.all_reduce_sum``), and BatchNorm2d "with all-reduces" makes two
     all-reduces of the same sizes and dtypes where syncbn makes them. No-group rows: rank
     0 alone (rank 1 waits), syncbn in a group of one."""
     import torch
     import torch.distributed as dist
 
-    from .. import distributed
+    from ..torch import distributed
 
     dev = _setup(device)
     rank = dist.get_rank()
@@ -346,7 +346,7 @@ class _NoCommunication:
     def __enter__(self):
         import torch.distributed as dist
 
-        from .. import distributed
+        from ..torch import distributed
 
         self.saved = [(distributed, "all_reduce_sum"), (distributed, "group_size"), (dist, "all_reduce"),
                       (dist, "all_gather")]
@@ -462,7 +462,7 @@ def compile_job(device: str) -> list:
     import torch.distributed as dist
     import torch.nn as nn
 
-    import syncbn
+    from .. import torch as sbn
 
     dev = _setup(device)
     rank = dist.get_rank()
@@ -472,7 +472,7 @@ def compile_job(device: str) -> list:
         net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                             nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                             nn.Flatten(), nn.Linear(8 * 6 * 6, 3))
-        return syncbn.convert_sync_batchnorm(net).to(dev, torch.float64)
+        return sbn.convert_sync_batchnorm(net).to(dev, torch.float64)
 
     def train(net, fn):
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -514,7 +514,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from ..launch import WorkerPool
+    from ..tools.launch import WorkerPool
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU on this machine; nothing to check")

@@ -6,18 +6,18 @@ Both run in the torch peer's worker processes, on the ranks of a process group o
 every large block to the system when it is freed (see ``torch_peer``):
 
 - saved bytes: the tensors autograd keeps between forward and backward
-  (:func:`syncbn.memory.saved_bytes`: each storage once, whole; the block's own
+  (:func:`syncbn.tools.memory.saved_bytes`: each storage once, whole; the block's own
   parameters and buffers left out), for a block
   BN -> LeakyReLU(0.01) on an input of (batch, C, size, size), float32: plain torch,
   syncbn, and the fused ``syncbn.SyncBatchNormAct`` (which needs an invertible
   activation, hence LeakyReLU rather than ReLU);
 - peak memory: the rise of the resident set (``VmHWM`` after the step minus ``VmRSS``
   before it, the high-water mark reset through ``/proc/self/clear_refs``) over one
-  forward, loss, backward and SGD step, started with no gradients allocated, of :class:`syncbn.models.TinyUNet` with
+  forward, loss, backward and SGD step, started with no gradients allocated, of :class:`syncbn.demo.torch_models.TinyUNet` with
   LeakyReLU activations, after a warm-up step, on rank 0; the variants are measured in
   turn, twice, and the second round is reported. Linux only; elsewhere the figure is
   reported as not available. Beside it, the peak of the bytes allocated during a step
-  (:func:`syncbn.memory.peak_memory`, from the profiler's allocation events), which
+  (:func:`syncbn.tools.memory.peak_memory`, from the profiler's allocation events), which
   does not depend on the allocator. Both in the standard layout (NCHW) and in
   channels-last (model and input converted), since the convolutions' own scratch
   memory, which no BN layer can touch, differs between the two.
@@ -51,8 +51,8 @@ def block_rows(spec: dict, group=None) -> list:
     import torch
     import torch.nn as nn
 
-    from ..batchnorm import SyncBatchNorm
-    from ..memory import saved_bytes
+    from ..torch.batchnorm import SyncBatchNorm
+    from ..tools.memory import saved_bytes
 
     c, n, s = spec["channels"], spec["batch"], spec["size"]
     input_bytes = n * c * s * s * 4
@@ -64,7 +64,7 @@ def block_rows(spec: dict, group=None) -> list:
         "syncbn.SyncBatchNormAct(leaky_relu), fused": None,
     }
     try:
-        from ..batchnorm_act import SyncBatchNormAct
+        from ..torch.batchnorm_act import SyncBatchNormAct
 
         blocks["syncbn.SyncBatchNormAct(leaky_relu), fused"] = lambda: SyncBatchNormAct(
             c, "leaky_relu", LEAKY_SLOPE, process_group=group)
@@ -171,8 +171,8 @@ def _demo_models(spec: dict, group):
     activations made LeakyReLU(0.01) (the fused layer needs an invertible one)."""
     import torch.nn as nn
 
-    from ..convert import convert_sync_batchnorm
-    from ..models import build_segmentation_model
+    from ..torch.convert import convert_sync_batchnorm
+    from ..demo.torch_models import build_segmentation_model
 
     def plain():
         model = build_segmentation_model(0, width=spec.get("model_width", 16), activation="relu")
@@ -189,7 +189,7 @@ def _demo_models(spec: dict, group):
               "syncbn.SyncBatchNorm + LeakyReLU (convert_sync_batchnorm)": (converted, None)}
     name = "syncbn.SyncBatchNormAct, fused (+ fuse_batchnorm_act)"
     try:
-        from ..convert import fuse_batchnorm_act
+        from ..torch.convert import fuse_batchnorm_act
 
         def fused():
             return fuse_batchnorm_act(converted(), process_group=group)
@@ -217,7 +217,7 @@ def peak_step_rows(spec: dict, group=None) -> Optional[list]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ..memory import peak_memory
+    from ..tools.memory import peak_memory
 
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     n, s = spec["model_batch"], spec["model_size"]

@@ -73,7 +73,7 @@ def torch_variances(spec: dict, world: int, group=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..batchnorm import SyncBatchNorm
+    from ..torch.batchnorm import SyncBatchNorm
 
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     errors = {"syncbn": {}, "torch_bn_one_process": {}, "naive_float32": {}}
@@ -109,7 +109,7 @@ def large_plane_errors(spec: dict, world: int, group=None) -> list:
     import torch
     import torch.distributed as dist
 
-    from ..batchnorm import SyncBatchNorm
+    from ..torch.batchnorm import SyncBatchNorm
 
     rank = dist.get_rank(group)
     rows = []

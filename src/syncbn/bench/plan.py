@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["PEERS", "Peer", "make_plan", "grid", "installed"]
+__all__ = ["ORDER", "PEERS", "PROBES", "Peer", "make_plan", "grid", "installed"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +102,16 @@ def make_plan(quick: bool = False, threads: int = 1, peers: Optional[Sequence[st
     plan["peers"] = list(PEERS) if peers is None else [p for p in PEERS if p in set(peers)]
     plan["comm_worlds_formula"] = [2**k for k in range(1, 11)]  # 2 .. 1024
     return plan
+
+
+# what the torch peer also times, beside the implementations
+PROBES = {
+    "syncbn_leaky": "syncbn.SyncBatchNorm + LeakyReLU",
+    "syncbn_act": "syncbn.SyncBatchNormAct(leaky_relu), fused",
+    "collectives": "syncbn's two all-reduces alone (gloo)",
+    "syncbn_compute": "syncbn.SyncBatchNorm minus its all-reduces (timed inside the call)",
+    "bn_collectives_compute": "torch.nn.BatchNorm2d with syncbn's two all-reduces made in its step, minus them",
+    "syncbn_emulated": "syncbn.SyncBatchNorm at W=2 emulated in one process (all-reduces double: no communication)",
+}
+# the order of the rows in the report and the colours in the plots
+ORDER = list(PEERS) + list(PROBES)

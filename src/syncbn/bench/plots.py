@@ -23,7 +23,7 @@ def time_vs_world(report: dict, path: Path) -> bool:
     summary = [s for s in report["timing"]["summary"] if s["world"] is not None]
     if not summary:
         return False
-    from .report import ORDER
+    from .plan import ORDER
 
     colors = {key: f"C{i}" for i, key in enumerate(ORDER)}
     fig, (ax_ms, ax_ratio) = plt.subplots(1, 2, figsize=(11, 5.6))

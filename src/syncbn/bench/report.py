@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 from . import communication
 from .floor import PASSES, floor_seconds
 from .keras_multiworker import LABEL as MULTIWORKER_LABEL
-from .plan import PEERS
+from .plan import ORDER, PEERS, PROBES
 from .timing import summarize
 
 __all__ = ["build", "write", "terminal", "markdown"]
@@ -26,16 +26,6 @@ __all__ = ["build", "write", "terminal", "markdown"]
 SCHEMA = 1
 
 
-# what the torch peer also times, beside the implementations
-PROBES = {
-    "syncbn_leaky": "syncbn.SyncBatchNorm + LeakyReLU",
-    "syncbn_act": "syncbn.SyncBatchNormAct(leaky_relu), fused",
-    "collectives": "syncbn's two all-reduces alone (gloo)",
-    "syncbn_compute": "syncbn.SyncBatchNorm minus its all-reduces (timed inside the call)",
-    "bn_collectives_compute": "torch.nn.BatchNorm2d with syncbn's two all-reduces made in its step, minus them",
-    "syncbn_emulated": "syncbn.SyncBatchNorm at W=2 emulated in one process (all-reduces double: no communication)",
-}
-ORDER = list(PEERS) + list(PROBES)
 
 
 def _label(key: str) -> str:

@@ -6,7 +6,7 @@
 This process (never joined to a process group) measures, with the plan's threads:
 the copy bandwidth (the floor), and the per-layer time of BatchNorm2d, SyncBatchNorm
 with no process group and torch.nn.SyncBatchNorm with none, interleaved. It then
-starts a :class:`syncbn.launch.WorkerPool` of gloo processes (same threads each) and,
+starts a :class:`syncbn.tools.launch.WorkerPool` of gloo processes (same threads each) and,
 for every W of the plan, on the process group of ranks 0..W-1: SyncBatchNorm
 interleaved with BatchNorm2d on the same per-rank batch, the attempt at
 torch.nn.SyncBatchNorm (a refusal is a result), the collectives of one layer call,
@@ -79,7 +79,7 @@ class _ReduceClock:
 def timed_layer_step(layer, x, dy, blocks: list):
     """:func:`layer_step` that also times syncbn's all-reduces inside the call (per
     block, in ``blocks``: see :class:`_ReduceClock`)."""
-    from .. import distributed
+    from ..torch import distributed
 
     step, _ = layer_step(layer, x, dy)
     clock = _ReduceClock(blocks)
@@ -126,7 +126,7 @@ def bn_collectives_step(channels: int, x, dy, group, blocks: list):
     what a step with two blocking collectives costs BatchNorm2d's own work in the same
     processes (the reference that the all-reduces' side effects, not their duration,
     would also burden)."""
-    from .. import fingerprint
+    from ..torch import fingerprint
 
     layer = torch.nn.BatchNorm2d(channels)
     inputs = (x, *layer.parameters())
@@ -163,14 +163,14 @@ LEAKY_SLOPE = 0.01  # the fused layer needs an invertible activation: LeakyReLU(
 def fused_available():
     """None when ``syncbn.SyncBatchNormAct`` can be imported, else why not."""
     try:
-        from ..batchnorm_act import SyncBatchNormAct  # noqa: F401
+        from ..torch.batchnorm_act import SyncBatchNormAct  # noqa: F401
     except ImportError as exc:
         return f"syncbn.SyncBatchNormAct is not available: {exc}"
     return None
 
 
 def build(key: str, channels: int, group=None):
-    from ..batchnorm import SyncBatchNorm
+    from ..torch.batchnorm import SyncBatchNorm
 
     if key == "torch_bn":
         return torch.nn.BatchNorm2d(channels)
@@ -181,7 +181,7 @@ def build(key: str, channels: int, group=None):
     if key == "syncbn_leaky":  # the unfused block the fused layer replaces
         return torch.nn.Sequential(SyncBatchNorm(channels, process_group=group), torch.nn.LeakyReLU(LEAKY_SLOPE))
     if key == "syncbn_act":
-        from ..batchnorm_act import SyncBatchNormAct
+        from ..torch.batchnorm_act import SyncBatchNormAct
 
         return SyncBatchNormAct(channels, "leaky_relu", LEAKY_SLOPE, process_group=group)
     raise KeyError(key)
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
 
     worlds = sorted(set(plan["worlds"]["torch"]) | set(plan["numerics"]["worlds"])
                     | set(plan["large_planes"]["worlds"]) | {2})
-    from ..launch import WorkerPool
+    from ..tools.launch import WorkerPool
     # the jobs must pickle by their importable name, not as ``__main__.<job>``
     from . import torch_peer as jobs
 

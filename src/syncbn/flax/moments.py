@@ -12,10 +12,10 @@ computed in two local passes (``float32`` at least):
 
 The correction is applied in ``float64``, and each device contributes the sums
 ``[n_r, n_r * m_r, M2_r + n_r * m_r**2]`` of one concatenated ``float64`` vector to a
-single ``psum``; the union's mean and biased variance follow in ``float64``
-(``var = Q / N - mean**2`` loses ``(|mean| / std)**2 * 1e-16``, far below what a
-``float32`` input resolves). ``float64`` is enabled only for these O(C) values, through
-the public ``jax.enable_x64`` context, whatever the process's ``jax_enable_x64`` says.
+single ``psum``: the pack and merge of :mod:`syncbn.core.moments` with shift 0, where
+their derivation and error analysis are. ``float64`` is enabled only for these O(C)
+values, through the public ``jax.enable_x64`` context, whatever the process's
+``jax_enable_x64`` says.
 
 Without ``axis_name`` the arrays are global (``jit`` with a sharded batch) and XLA
 decides where a reduction crosses devices: a sum over the sharded batch axis becomes a

@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from syncbn import layer_fingerprint
+from syncbn.core import fingerprint as layer_fingerprint
 
 from . import mismatch, moments, replicas
 

@@ -15,7 +15,7 @@ reads it:
   so a disagreeing step changes no weight, no optimizer state and no iteration count;
 - :func:`check_agreement` (after each step of a custom loop) and the callback
   :class:`MismatchCheck` (``fit``): they read the records on the host and raise
-  :class:`syncbn.layer_fingerprint.LayerMismatchError` on every worker.
+  :class:`syncbn.core.fingerprint.LayerMismatchError` on every worker.
 
 A record is sticky: once set, it stays set (after a disagreement, end the program;
 TensorFlow's collectives say so themselves). Outside XLA the check raises at once
@@ -28,7 +28,7 @@ import weakref
 
 import keras
 
-from syncbn import layer_fingerprint as lf
+from syncbn.core import fingerprint as lf
 
 __all__ = ["MismatchCheck", "SkipMismatchedSteps", "allow_xla", "check_agreement"]
 
@@ -150,7 +150,7 @@ def _entries_of(model):
 
 
 def check_agreement(model=None):
-    """Raise :class:`~syncbn.layer_fingerprint.LayerMismatchError` if a synchronized
+    """Raise :class:`~syncbn.core.fingerprint.LayerMismatchError` if a synchronized
     call of a ``SyncBatchNormalization`` disagreed across the replicas inside an
     XLA-compiled step (TensorFlow backend; nothing to check elsewhere): of those in
     ``model`` (a Keras model or layer: those whose moving mean is among its weights),
@@ -176,7 +176,7 @@ class MismatchCheck(keras.callbacks.Callback):
     """``fit`` callback: :func:`check_agreement` on the model after every training
     batch, so that a layer disagreement inside an XLA-compiled step
     (``jit_compile=True``) ends training with
-    :class:`~syncbn.layer_fingerprint.LayerMismatchError` on every worker. Pair it with
+    :class:`~syncbn.core.fingerprint.LayerMismatchError` on every worker. Pair it with
     :class:`SkipMismatchedSteps` so that the step it reports changed no weight."""
 
     def on_train_batch_end(self, batch, logs=None):

@@ -4,30 +4,23 @@ that turns every replica's moments into global ones with a single sum.
 No communication happens here and nothing here depends on the Keras backend; the
 cross-replica sum lives in :mod:`syncbn.keras.replicas`.
 
-Notation (per channel, see ``shared/DESIGN.md``): a replica holds ``n`` counted
-elements (all of them, or those its mask keeps) with mean ``m`` and
-``M2 = sum (x - m)^2``. Around a shift ``K`` that every replica shares (the layer's
-moving mean), it packs
-
-    [n,  n * a,  M2 + n * a^2]        with a = m - K,
-
-``2C + 1`` values in the summing dtype (float64 where the devices have it; ``3C``
-when a mask gives each channel its own count ``n``). Summed over the replicas, with
-``A = sum n a / N``:
-
-    N = sum n,   mean = K + A,   var = sum (M2 + n a^2) / N - A^2   (biased).
-
-``M2`` comes from a corrected two-pass reduction, so the only cancellation left is the
-last subtraction, done in the summing dtype: in float64 its relative error is about
-``1e-16 * ((mean - K) / std)^2``, 1e-10 at ``|mean - K| / std = 1e3``. The shift only
-matters where the sum must be float32 (no float64 on the device): there the error is
-about ``6e-8 * ((mean - K) / std)^2``, small once the moving mean tracks the data.
+The pack and merge are those of :mod:`syncbn.core.moments` (the derivation and its
+error analysis are there), with the layer's moving mean as the shift ``K`` that every
+replica shares: a replica with ``n`` counted elements (all of them, or those its mask
+keeps), mean ``m`` and ``M2 = sum (x - m)^2`` packs ``[n, n a, M2 + n a^2]``,
+``a = m - K``, in the summing dtype (float64 where the devices have it; ``3C`` values
+when a mask gives each channel its own count). ``M2`` comes from a corrected two-pass
+reduction. The shift matters only where the sum must be float32 (no float64 on the
+device): there the merge loses about ``6e-8 * ((mean - K) / std)^2``, small once the
+moving mean tracks the data.
 """
 
 from __future__ import annotations
 
 import keras
 from keras import ops
+
+from ..core.moments import broadcast_shape, reduction_axes
 
 __all__ = [
     "at_least",
@@ -54,19 +47,6 @@ def at_least(x, floor: float):
     if keras.backend.backend() == "torch":
         return ops.where(x < floor, ops.cast(floor, x.dtype), x)
     return ops.maximum(x, ops.cast(floor, x.dtype))
-
-
-def reduction_axes(ndim: int, axis: int) -> list:
-    """Every axis of an ``ndim``-dimensional input except the channel ``axis``."""
-    axis = axis % ndim
-    return [i for i in range(ndim) if i != axis]
-
-
-def broadcast_shape(ndim: int, axis: int, channels: int) -> list:
-    """Shape that broadcasts a per-channel vector against the input: 1 except at ``axis``."""
-    shape = [1] * ndim
-    shape[axis % ndim] = channels
-    return shape
 
 
 def element_mask(mask, inputs):

@@ -6,7 +6,7 @@ exactly one collective forward and one backward, per Keras backend.
   ``strategy.run``, traced or eager), summed with ``ReplicaContext.all_reduce`` under a
   ``tf.custom_gradient``.
 - PyTorch: with ``torch.distributed`` initialized and more than one rank in the default
-  group, summed with :func:`syncbn.distributed.all_reduce_sum` (the library's one module
+  group, summed with :func:`syncbn.torch.distributed.all_reduce_sum` (the library's one module
   that talks to ``torch.distributed``) under a ``torch.autograd.Function``. torch is
   imported only on this backend.
 - JAX: nothing to do here. Under ``keras.distribution.DataParallel`` the layer sees the
@@ -26,10 +26,10 @@ channel gives variance 0, a fully masked one mean 0 and variance 0, on every rep
 alike (they all merge the same sums), and no replica waits on another's error.
 
 Disagreement detection (TensorFlow and PyTorch backends): both all-reduces also carry
-the 18-value layer fingerprint of :mod:`syncbn.layer_fingerprint` (the layer's name
+the 18-value layer fingerprint of :mod:`syncbn.core.fingerprint` (the layer's name
 and width, and the call's index), so replicas that are not in the same layer call
 (another layer order, a skipped layer, a model built differently) raise
-:class:`syncbn.layer_fingerprint.LayerMismatchError` (eager, and the torch backend) or
+:class:`syncbn.core.fingerprint.LayerMismatchError` (eager, and the torch backend) or
 a TensorFlow ``InvalidArgumentError`` with the same words (inside ``tf.function``, from
 a ``tf.debugging.Assert`` that the statistics depend on) on every replica, before the
 statistics are used. Under TensorFlow the call index counts the synchronized calls
@@ -45,7 +45,7 @@ import weakref
 
 from keras import ops
 
-from syncbn import layer_fingerprint as lf
+from syncbn.core import fingerprint as lf
 
 from . import mismatch, moments
 
@@ -113,7 +113,7 @@ def tf_checked_all_reduce(ctx, tag, backward, layer=None):
     """A function summing a 1-D tensor over the replicas of ``ctx`` in one all-reduce
     that also carries ``tag``'s fingerprint, and failing on every replica alike when
     the replicas sent different tags: eagerly with
-    :class:`~syncbn.layer_fingerprint.LayerMismatchError`, in a graph through a
+    :class:`~syncbn.core.fingerprint.LayerMismatchError`, in a graph through a
     ``tf.debugging.Assert`` that the returned sum depends on. After a call, its ``ok``
     attribute is the verdict (a boolean tensor, the same on every replica). In a graph
     the verdict also goes to ``layer``'s record (:mod:`syncbn.keras.mismatch`), for
@@ -240,7 +240,7 @@ def tf_sync_train(x, axis, mask, shift, ctx, gamma, beta, epsilon, name="SyncBat
 
 def torch_world_size():
     """Ranks in torch's default process group; 1 when not distributed."""
-    from syncbn import distributed
+    from syncbn.torch import distributed
 
     return distributed.group_size()
 
@@ -249,9 +249,9 @@ def torch_sync_moments(x, axis, mask, shift, name="SyncBatchNormalization"):
     """Global ``(count, mean, biased var)`` over every rank of the default process group,
     with one all-reduce in forward and one in backward; ``count`` (elements per channel,
     in the summing dtype) has no gradient. Both carry the layer fingerprint
-    (:func:`syncbn.fingerprint.all_reduce_checked`; ``name`` identifies the layer), read
+    (:func:`syncbn.torch.fingerprint.all_reduce_checked`; ``name`` identifies the layer), read
     at once (off the CPU too: one host read per call), so that a disagreement raises
-    :class:`~syncbn.layer_fingerprint.LayerMismatchError` on every rank before the
+    :class:`~syncbn.core.fingerprint.LayerMismatchError` on every rank before the
     moving statistics move."""
     return _torch_function().apply(x, axis, mask, shift, name)
 
@@ -268,7 +268,7 @@ def _torch_function():
 
     import torch
 
-    from syncbn import distributed, fingerprint, stats
+    from syncbn.torch import distributed, fingerprint, stats
 
     def checked(tag, backward):
         def all_reduce(value):

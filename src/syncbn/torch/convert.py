@@ -1,0 +1,761 @@
+"""Model conversion: swap every BatchNorm layer of a model for its synchronized form,
+and back again for single-device inference and export.
+
+The swap moves the very same parameter and buffer tensors into the new module, so an
+optimizer built before the conversion keeps working, and values, ``requires_grad``,
+device, dtype and the ``training`` flag are kept. A BatchNorm subclass that overrides
+``forward`` (an activation or dropout after the normalization) is never replaced by a
+plain layer that would drop that behaviour: it is left as it is, with a warning that
+counts the layers left local (or an error, with ``strict=True``), unless a conversion
+for its class was registered with :func:`register_conversion`. timm's norm-act layers
+are registered that way (:mod:`syncbn.torch.timm`) as soon as timm is imported. So is a layer
+whose behaviour lives outside its parameters and buffers (a weight pruned with
+``torch.nn.utils.prune`` or parametrized with ``torch.nn.utils.parametrize``, module or
+state-dict hooks): moving its tensors would silently drop that behaviour.
+
+:func:`fuse_batchnorm_act` goes one step further for memory: each batch norm followed
+directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct`.
+:func:`revert_sync_batchnorm` undoes both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+import sys
+import warnings
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
+
+from . import fingerprint
+from .batchnorm import SyncBatchNorm, _SyncNormBase
+from .batchnorm_act import SyncBatchNormAct
+
+__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_act", "register_conversion", "name_layers"]
+
+# classes whose forward is plain batch norm over the whole batch
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_FORWARDS = {cls.forward for cls in _PLAIN_BN} | {_BatchNorm.forward}
+_REVERT_DEFAULT = nn.BatchNorm2d
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# per-module hooks that a move of the parameters and buffers into a new module would drop
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
+)
+_MISSING = object()
+
+
+def _is_plain(module: nn.Module) -> bool:
+    return isinstance(module, _BatchNorm) and type(module).forward in _FORWARDS
+
+
+def _move_state(src: nn.Module, dst: nn.Module) -> nn.Module:
+    """Give ``dst`` the parameters, buffers and flags of ``src`` (the same tensors)."""
+    for name in ("weight", "bias"):  # a BN built with bias=False keeps no bias
+        if name in dst._parameters:
+            dst._parameters[name] = src._parameters.get(name)
+    for name, buf in src.named_buffers(recurse=False):
+        dst._buffers[name] = buf
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        if name in dst._buffers and name not in src._buffers:
+            dst._buffers[name] = None
+    dst.train(src.training)
+    if hasattr(src, "qconfig"):
+        dst.qconfig = src.qconfig
+    return dst
+
+
+def _synchronized(cls, bn: nn.Module, process_group, **kwargs) -> nn.Module:
+    """A ``cls`` layer (SyncBatchNorm or SyncBatchNormAct) holding ``bn``'s state.
+
+    The group is ``process_group``, else the one ``bn`` already synchronizes over; the
+    layer remembers the plain torch class ``bn`` came from, for the revert.
+    """
+    group = process_group
+    if group is None and isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)):
+        group = bn.process_group
+    new = cls(
+        bn.num_features,
+        eps=bn.eps,
+        momentum=bn.momentum,
+        affine=bn.affine,
+        track_running_stats=bn.track_running_stats,
+        process_group=group,
+        device="meta",
+        bias=bn.bias is not None or not bn.affine,
+        **kwargs,
+    )
+    new = _move_state(bn, new)
+    new._syncbn_origin = getattr(bn, "_syncbn_origin", type(bn))
+    return new
+
+
+def _replace(module: nn.Module, swap) -> nn.Module:
+    """Apply ``swap`` to ``module`` and to every descendant, top-down; returns the root."""
+    new = swap(module)
+    if new is not module:
+        return new
+    for name, child in module.named_children():
+        replaced = _replace(child, swap)
+        if replaced is not child:
+            module._modules[name] = replaced
+    return module
+
+
+# ---- conversions registered for BatchNorm subclasses -------------------------------
+
+# class -> (to_sync, to_plain); exact classes only (a subclass may change the behaviour)
+_CONVERSIONS: dict = {}
+
+
+def register_conversion(
+    cls: type,
+    to_sync: Callable[[nn.Module, object], nn.Module],
+    to_plain: Callable[[nn.Module], nn.Module],
+) -> None:
+    """Teach :func:`convert_sync_batchnorm` and :func:`revert_sync_batchnorm` a layer class.
+
+    ``to_sync(layer, process_group)`` returns the synchronized replacement of a ``cls``
+    layer (it should move the layer's own parameter and buffer tensors, keep its
+    ``state_dict`` keys, and synchronize over ``process_group``, where None means: the
+    default group, or the group the layer already had). ``to_plain(synced)`` returns
+    the single-process layer for a module that ``to_sync`` made; the converter records
+    on that module, as ``_syncbn_origin``, the class it came from (``cls``).
+
+    Only layers whose type is exactly ``cls`` are matched: a subclass may change what
+    the layer computes, so it needs its own registration. Registering a class again
+    replaces its conversion. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` are
+    registered this way by :mod:`syncbn.torch.timm`.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_conversion: cls must be a torch.nn.Module subclass, got {cls!r}")
+    for name, fn in (("to_sync", to_sync), ("to_plain", to_plain)):
+        if not callable(fn):
+            raise TypeError(f"register_conversion: {name} must be callable, got {fn!r}")
+    _CONVERSIONS[cls] = (to_sync, to_plain)
+
+
+# conversions of other libraries' layers, registered the first time a conversion runs
+# after the library is imported: (module whose presence in sys.modules triggers it,
+# register function). Filled by the adapters (:mod:`syncbn.torch.timm`), which import
+# this module, never the other way round.
+_LIBRARY_HOOKS: list = []
+
+
+def register_library(module_name: str, register: Callable[[], None]) -> None:
+    """Call ``register()`` before a conversion once ``module_name`` has been imported
+    (by the user: nothing here imports it)."""
+    _LIBRARY_HOOKS.append((module_name, register))
+
+
+def _register_known() -> None:
+    """Register the conversions of the libraries already imported (never imports them)."""
+    for module_name, register in _LIBRARY_HOOKS:
+        if module_name in sys.modules:
+            register()
+
+
+def _registered(cls: Optional[type]):
+    return _CONVERSIONS.get(cls) if cls is not None else None
+
+
+def _classify(m: nn.Module, name: str = ""):
+    """What conversion does with ``m`` (called ``name`` in the model): None (not a batch
+    norm), "synced" (already synchronized), "registered", "plain", or the reason it stays
+    local."""
+    if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)) or "_syncbn_origin" in m.__dict__:
+        return "synced"
+    registered = type(m) in _CONVERSIONS
+    if not registered:
+        if not isinstance(m, _BatchNorm):
+            return None
+        if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
+            return "uninitialized lazy module: run one batch first"
+        if not _is_plain(m):
+            return "it overrides forward; teach the converter with syncbn.register_conversion"
+    # a registered conversion moves the layer's own tensors, but not hooks, pruning or
+    # parametrizations: those stay local too
+    why = _why_not_movable(m, extra_tensors=not registered)
+    if why is not None:
+        return f"{name or type(m).__name__}: {why}"
+    return "registered" if registered else "plain"
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool = False) -> nn.Module:
+    """Return ``module`` with every BatchNorm1d/2d/3d and ``torch.nn.SyncBatchNorm``
+    replaced by :class:`syncbn.SyncBatchNorm` on ``process_group``, and every layer of a
+    class registered with :func:`register_conversion` (timm's norm-act layers, when
+    timm is imported) by its registered synchronized form.
+
+    Works in place on the children (like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``)
+    and returns the root, which is a new module when the root itself is a BatchNorm.
+    A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given.
+
+    A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` with
+    no registered conversion, an uninitialized lazy module, a layer whose behaviour lives
+    outside its parameters and buffers: a pruned or parametrized weight, module hooks)
+    stays local: a warning says
+    how many of the model's BatchNorm layers that leaves local, and which classes. With
+    ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
+    decision depends only on the model, so every rank raises alike).
+    """
+    _register_known()
+    decisions = {}
+    total = 0
+    for name, m in module.named_modules():
+        kind = _classify(m, name)
+        if kind is not None:
+            decisions[id(m)] = kind
+            total += 1
+    local = Counter(
+        (f"{type(m).__module__}.{type(m).__qualname__}", decisions[id(m)])
+        for m in module.modules()
+        if decisions.get(id(m)) not in (None, "synced", "registered", "plain")
+    )
+    if local:
+        left = sum(local.values())
+        message = (
+            f"syncbn.convert_sync_batchnorm left {left} of {total} BatchNorm layers local "
+            "(unsynchronized): "
+            + "; ".join(f"{count} x {name} ({reason})" for (name, reason), count in sorted(local.items()))
+        )
+        if strict:
+            raise ValueError(message)
+    else:
+        message = None
+
+    def swap(m: nn.Module) -> nn.Module:
+        kind = decisions.get(id(m))
+        if kind == "plain":
+            return _synchronized(SyncBatchNorm, m, process_group)
+        if kind == "registered":
+            new = _CONVERSIONS[type(m)][0](m, process_group)
+            if new is not m and "_syncbn_origin" not in new.__dict__:
+                new._syncbn_origin = type(m)
+            return new
+        return m
+
+    result = _replace(module, swap)
+    name_layers(result)  # qualified names identify the layers' collectives
+    if message:
+        warnings.warn(message, stacklevel=2)
+    return result
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Return ``module`` with every :class:`syncbn.SyncBatchNorm` back as a plain
+    ``torch.nn.BatchNorm{1,2,3}d``: the class it was converted from where known, else
+    ``BatchNorm2d`` (which one only matters for its input-dimension check). Values are
+    identical; the same parameter and buffer tensors are moved back.
+
+    A layer made by a conversion registered with :func:`register_conversion` goes back
+    through that registration's ``to_plain`` (timm's layers become timm's
+    ``BatchNormAct2d``). A subclass of ``SyncBatchNorm`` that overrides ``forward``
+    and has no registered conversion is left as it is (a plain layer would drop what
+    its ``forward`` adds).
+
+    A :class:`syncbn.SyncBatchNormAct` made by :func:`fuse_batchnorm_act` becomes the
+    batch norm and activation it was made of, each in its old place (so the model's
+    ``state_dict`` keys do not change); any other ``SyncBatchNormAct`` becomes
+    ``nn.Sequential(BatchNorm, activation)`` (its keys gain a ``0.`` level).
+    """
+    _register_known()
+    names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
+    skipped = []
+    placeholders = [m for m in module.modules() if isinstance(m, _FusedActivation)]
+    layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct)}
+    restored = {id(p._syncbn_fused_into) for p in placeholders if id(p._syncbn_fused_into) in layers}
+
+    def swap(m: nn.Module) -> nn.Module:
+        if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
+            why = _why_not_movable(m)
+            if why is not None:
+                skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
+                restored.discard(id(m))
+                return m
+        if isinstance(m, _FusedActivation):
+            return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
+        conversion = _registered(m.__dict__.get("_syncbn_origin"))
+        if conversion is not None:
+            return conversion[1](m)
+        if isinstance(m, SyncBatchNormAct):
+            bn = _plain_batchnorm(m)
+            if id(m) in restored:  # its activation comes back in its own place
+                return bn
+            return nn.Sequential(bn, _activation_module(m))
+        if not isinstance(m, SyncBatchNorm) or type(m).forward is not SyncBatchNorm.forward:
+            return m
+        return _plain_batchnorm(m)
+
+    # the layers first (a skipped fused layer keeps its placeholder), then the placeholders
+    module = _replace(module, lambda m: m if isinstance(m, _FusedActivation) else swap(m))
+    result = _replace(module, lambda m: swap(m) if isinstance(m, _FusedActivation) else m)
+    if skipped:
+        warnings.warn(
+            "syncbn.revert_sync_batchnorm left these layers as they are: " + "; ".join(sorted(set(skipped))),
+            stacklevel=2,
+        )
+    return result
+
+
+def _plain_batchnorm(m: nn.Module) -> nn.Module:
+    origin = getattr(m, "_syncbn_origin", _REVERT_DEFAULT)
+    # the plain torch class the layer came from (a subclass reverts to its torch base)
+    cls = next((c for c in origin.__mro__ if c in _PLAIN_BN[:3]), _REVERT_DEFAULT)
+    new = cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, device="meta")
+    return _move_state(m, new)
+
+
+# ---- fusing batch norm + activation ------------------------------------------------
+
+
+class _FusedActivation(nn.Identity):
+    """What :func:`fuse_batchnorm_act` leaves where an activation was: an identity (the
+    activation now runs inside the ``SyncBatchNormAct`` before it). It remembers the
+    original module and its partner, for :func:`revert_sync_batchnorm`, without
+    registering them as children (no state, nothing new in ``modules()``)."""
+
+    def __init__(self, original: nn.Module, fused_into: nn.Module):
+        super().__init__()
+        self.__dict__["_syncbn_original"] = original
+        self.__dict__["_syncbn_fused_into"] = fused_into
+
+    def extra_repr(self) -> str:
+        return f"fused into the preceding SyncBatchNormAct: {self._syncbn_original!r}"
+
+
+def _activation_spec(m: nn.Module):
+    """``(activation, param)`` for an activation module SyncBatchNormAct can absorb."""
+    if type(m) is nn.LeakyReLU and m.negative_slope > 0:
+        return "leaky_relu", float(m.negative_slope)
+    if type(m) is nn.ELU and m.alpha > 0:
+        return "elu", float(m.alpha)
+    # nn.Identity is never fused: it saves nothing, and the module after it (timm's
+    # drop_block placeholder is followed by ReLU(inplace=True)) may overwrite the output
+    # the fused layer keeps for backward
+    return None  # ReLU included: it is not invertible
+
+
+def _activation_module(m: SyncBatchNormAct) -> nn.Module:
+    if m.activation == "leaky_relu":
+        return nn.LeakyReLU(m.activation_param)
+    if m.activation == "elu":
+        return nn.ELU(m.activation_param)
+    return nn.Identity()
+
+
+def _fusable_batchnorm(m: nn.Module) -> bool:
+    if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
+        return False
+    return _is_plain(m) or (isinstance(m, SyncBatchNorm) and type(m).forward is SyncBatchNorm.forward)
+
+
+def _fuse(bn: nn.Module, act: nn.Module, spec, process_group, inplace: bool):
+    """The SyncBatchNormAct replacing ``bn`` followed by ``act``, and act's placeholder."""
+    new = _synchronized(
+        SyncBatchNormAct, bn, process_group, activation=spec[0], activation_param=spec[1], inplace=inplace
+    )
+    return new, _FusedActivation(act, new)
+
+
+# ---- what tracing proves --------------------------------------------------------------
+
+
+class _LeafTracer(torch.fx.Tracer):
+    """Symbolic tracer that stops at batch norms and activations."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, (_BatchNorm, nn.LeakyReLU, nn.ELU, nn.Identity, nn.ReLU, _FusedActivation)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _plain_value(value) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain_value(v) for v in value)
+    return type(value) in _PLAIN_VALUES
+
+
+class _Reads:
+    """What the traced forwards did with their modules' Python attributes, which the
+    graph does not show: ``values`` the plain values read (flags: a branch taken on one
+    of them may read a layer's output another time, so the fused layer checks they still
+    hold), ``escapes`` the modules that stored a traced value in an attribute or read a
+    mutable container (a traced value kept there would be read outside the graph)."""
+
+    def __init__(self):
+        self.values = {}  # (id(module), name) -> (module, name, value)
+        self.escapes = {}  # id(module) -> reason
+
+    @contextlib.contextmanager
+    def recording(self, modules):
+        """Context in which ``modules`` (instances) report their attribute reads and
+        writes: each gets, for the duration, a subclass of its own class that records."""
+        classes, swapped = {}, []
+        try:
+            for m in modules:
+                cls = type(m)
+                if cls not in classes:
+                    classes[cls] = self._recording_class(cls)
+                object.__setattr__(m, "__class__", classes[cls])
+                swapped.append((m, cls))
+            yield
+        finally:
+            for m, cls in swapped:
+                object.__setattr__(m, "__class__", cls)
+
+    def _recording_class(self, cls):
+        reads = self
+
+        def __getattribute__(obj, name):
+            value = super(sub, obj).__getattribute__(name)
+            if not name.startswith("_") and name != "training":
+                if _plain_value(value):
+                    reads.values.setdefault((id(obj), name), (obj, name, value))
+                elif isinstance(value, (list, dict, set, bytearray)):
+                    reads.escapes.setdefault(id(obj), f"its forward reads the mutable attribute {name!r}")
+            return value
+
+        def __setattr__(obj, name, value):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            if isinstance(value, torch.fx.Proxy) or any(isinstance(v, torch.fx.Proxy) for v in items):
+                reads.escapes.setdefault(id(obj), f"its forward stores a traced value in attribute {name!r}")
+            super(sub, obj).__setattr__(name, value)
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return sub
+
+
+def _trace(root: nn.Module, training: bool):
+    """``root``'s forward traced by torch.fx with every module in ``training`` mode (the
+    modes are restored after), and the :class:`_Reads` of the modules traced through."""
+    modes = [(m, m.training) for m in root.modules()]
+    tracer = _LeafTracer()
+    reads = _Reads()
+    inner = [m for name, m in root.named_modules() if not tracer.is_leaf_module(m, name)]
+    try:
+        root.train(training)
+        with warnings.catch_warnings(), reads.recording(inner):
+            warnings.simplefilter("ignore")
+            graph = tracer.trace(root)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return graph, reads
+
+
+# in-place forms that torch.fx records as the plain operator (``a += b`` is ``add``)
+_MAYBE_AUGMENTED = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.matmul, operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+}
+# results that share the argument's memory: an in-place change to them changes it too
+_VIEW_METHODS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t", "squeeze",
+    "unsqueeze", "narrow", "select", "expand", "expand_as", "contiguous", "chunk", "split", "unbind", "detach",
+    "movedim", "swapaxes", "diagonal", "unfold", "as_strided", "to", "type_as", "float", "double", "half",
+    "bfloat16", "__getitem__",
+}
+_VIEW_FUNCTIONS = {
+    operator.getitem, torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+    torch.chunk, torch.split, torch.unbind, torch.narrow, torch.select, torch.movedim, torch.t, torch.detach,
+}
+_VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, _FusedActivation)
+# producers whose output is a fresh tensor that they do not keep for their own backward
+_FRESH_PRODUCERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                    nn.Linear)
+
+
+def _inplace_flag(target, args, kwargs) -> bool:
+    """Whether a call of the function ``target`` passes ``inplace=True``."""
+    if kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(target).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _changed_in_place(root: nn.Module, node) -> str | None:
+    """How the graph may change ``node``'s value in place (directly or through a view),
+    or None: the fused layer keeps its output for backward, which such a change breaks."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            first = bool(user.args) and user.args[0] is n
+            if user.op == "call_function":
+                name = getattr(user.target, "__name__", "")
+                if first and user.target in _MAYBE_AUGMENTED:
+                    return f"{name} (torch.fx records ``out += ...`` as ``out + ...``)"
+                if first and name.endswith("_") and not name.endswith("__"):
+                    return name
+                if _inplace_flag(user.target, user.args, user.kwargs):
+                    return f"{name}(..., inplace=True)"
+                if user.target in _VIEW_FUNCTIONS:
+                    todo.append(user)
+            elif user.op == "call_method":
+                if first and user.target.endswith("_") and not user.target.endswith("__"):
+                    return f".{user.target}()"
+                if first and user.target in _VIEW_METHODS:
+                    todo.append(user)
+            elif user.op == "call_module":
+                m = root.get_submodule(user.target)
+                if getattr(m, "inplace", False) is True:
+                    return f"{user.target} (inplace=True)"
+                if isinstance(m, _VIEW_MODULES):
+                    todo.append(user)
+    return None
+
+
+def _why_not_movable(m: nn.Module, extra_tensors: bool = True) -> str | None:
+    """Why ``m``'s behaviour would not survive moving its parameters and buffers into a
+    new module (pruned or parametrized weights, hooks, a replaced forward, and with
+    ``extra_tensors`` parameters or buffers beyond batch norm's own), or None."""
+    from torch.nn.utils import parametrize, prune
+
+    if parametrize.is_parametrized(m):
+        return "it is parametrized (torch.nn.utils.parametrize)"
+    if any(isinstance(h, prune.BasePruningMethod) for h in m._forward_pre_hooks.values()):
+        return "it is pruned (torch.nn.utils.prune)"
+    hooks = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)]
+    if hooks:
+        return f"it has hooks ({', '.join(hooks)})"
+    if "forward" in m.__dict__:
+        return "its forward is replaced on the instance"
+    extra = sorted((set(m._parameters) - {"weight", "bias"}) | (set(m._buffers) - set(_BN_BUFFERS)))
+    if extra and extra_tensors:
+        return f"it holds other parameters or buffers ({', '.join(extra)})"
+    return None
+
+
+def _global_hooks() -> list:
+    from torch.nn.modules import module as module_impl
+
+    return [name.strip("_") for name in _GLOBAL_HOOKS if getattr(module_impl, name, None)]
+
+
+def _ancestors(name: str):
+    """The qualified names of the modules that contain ``name`` (root "" included)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def _pairs_in(root: nn.Module, graph, reads: _Reads):
+    """From one traced mode: ``({bn_name: (act_name, spec, input_fresh, guard)}, {bn_name: reason})``
+    for every batch-norm call that feeds an invertible activation module."""
+    registrations = Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
+    names = {id(m): name for name, m in root.named_modules()}
+    pairs, refused = {}, {}
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(root.get_submodule(node.target), _BatchNorm):
+            continue
+        if isinstance(root.get_submodule(node.target), SyncBatchNormAct):
+            continue  # fused already
+        bn = root.get_submodule(node.target)
+        acts = [u for u in node.users if u.op == "call_module"
+                and _activation_spec(root.get_submodule(u.target)) is not None]
+        if not acts:
+            continue  # not followed by an invertible activation: nothing to say
+        (user, *_) = acts
+        act = root.get_submodule(user.target)
+        reason = None
+        if not _fusable_batchnorm(bn):
+            reason = "its class overrides forward" if not isinstance(bn, _LazyNormBase) else "it is uninitialized"
+        reason = reason or _why_not_movable(bn)
+        if reason is None and (registrations[id(bn)] != 1 or calls[node.target] != 1):
+            reason = "it is registered or called more than once"
+        if reason is None and len(node.users) != 1:
+            others = sorted(u.name for u in node.users if u is not user)
+            reason = f"its output is also read by {', '.join(others)}"
+        if reason is None and (tuple(user.args) != (node,) or user.kwargs):
+            reason = f"its activation {user.target} takes other arguments"
+        if reason is None and registrations[id(act)] != 1:
+            reason = f"its activation {user.target} is registered more than once"
+        if reason is None:
+            why = _why_not_movable(act)
+            reason = None if why is None else f"its activation {user.target}: {why}"
+        if reason is None:
+            changed = _changed_in_place(root, user)
+            reason = None if changed is None else f"the activation's output may be changed in place by {changed}"
+        ancestors = _ancestors(node.target)
+        if reason is None:
+            for name in ancestors:
+                escape = reads.escapes.get(id(root.get_submodule(name)))
+                if escape is not None:
+                    reason = f"module {name or type(root).__name__!r}: {escape}"
+                    break
+        if reason is not None:
+            refused[node.target] = reason
+            continue
+        source = node.args[0] if node.args else None
+        fresh = (
+            source is not None and getattr(source, "op", None) == "call_module" and len(source.users) == 1
+            and type(root.get_submodule(source.target)) in _FRESH_PRODUCERS
+            and _why_not_movable(root.get_submodule(source.target)) is None
+        )
+        inside = set(ancestors)
+        guard = tuple(v for v in reads.values.values() if names.get(id(v[0])) in inside)
+        pairs[node.target] = (user.target, _activation_spec(act), fresh, guard)
+    return pairs, refused, calls
+
+
+class _FusionGuard:
+    """Checks, at each call of a fused layer, that the plain attribute values the traced
+    forwards read still hold. Holds the modules themselves (not weak references), so
+    that ``copy.deepcopy`` and pickling of the model carry it over consistently."""
+
+    def __init__(self, entries):
+        self.entries = [(m, name, value) for m, name, value in entries]
+
+    def __call__(self):
+        for m, name, value in self.entries:
+            now = getattr(m, name, _MISSING)
+            if not (now is value or (type(now) is type(value) and now == value)):
+                raise RuntimeError(
+                    f"SyncBatchNormAct: {type(m).__name__}.{name} was {value!r} when fuse_batchnorm_act "
+                    f"traced the model and is now {'missing' if now is _MISSING else repr(now)}; the fused "
+                    "graph may no longer hold. Call syncbn.revert_sync_batchnorm(model) and fuse again."
+                )
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    parent._modules[child] = new
+
+
+def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool = True) -> nn.Module:
+    """Fuse every batch norm directly followed by an invertible activation into one
+    :class:`syncbn.SyncBatchNormAct`, which keeps only its output for backward, where
+    tracing proves the fusion computes what the model computed.
+
+    Batch norms: ``torch.nn.BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and
+    :class:`syncbn.SyncBatchNorm` (not subclasses that override ``forward``, nor
+    uninitialized lazy ones). Activations: ``nn.LeakyReLU`` with a positive slope,
+    ``nn.ELU`` with a positive alpha. ``nn.ReLU`` (and slope 0) is not invertible, and a
+    batch norm followed by ``nn.Identity`` is never fused (nothing to save, and the next
+    module may work in place on the output): those pairs stay as they are, as does
+    everything else.
+
+    The whole model's ``forward`` is traced by ``torch.fx``, once with every module in
+    training mode and once in eval mode (the modes are restored). A pair is fused only
+    when both traces show it: a batch-norm module called once whose output is read by
+    nothing but the activation module, every call of which is such a pair; and neither is
+    pruned, parametrized or hooked. It is skipped, with a warning naming it and why, when
+    any of that fails, when the activation's output may be changed in place (an in-place
+    method, a module or function with ``inplace=True``, or ``out += x``, which torch.fx
+    cannot tell from ``out + x``: write ``x + out``), or when a module around it stores a
+    traced value in an attribute or reads a mutable container attribute in ``forward``
+    (a value kept there is read outside the graph). Plain attribute values that the
+    traced forwards read (flags, modes) are recorded; the fused layer raises a
+    ``RuntimeError`` naming the attribute if one of those around it changes later. A
+    model that does not trace (data-dependent control flow, ...) is left as it is, with
+    a warning: a part traced alone could be tapped by the code around it. Tracing runs
+    ``forward`` twice with symbolic values: Python side effects in a ``forward`` happen
+    twice more. Activations applied as functions (``F.leaky_relu(self.bn(x))``) stay.
+
+    With ``inplace=True`` (the default) a fused layer writes its output over its input
+    when both traces show that input to be the fresh output of a convolution or linear
+    module without hooks that nothing else reads (one activation-sized allocation less
+    at the forward peak; saved memory is the same either way); ``inplace=False`` never.
+
+    The batch norm is replaced by the fused layer (same parameter and buffer tensors,
+    same ``state_dict`` keys) and the activation by an identity placeholder, so the
+    model's ``state_dict`` keys and module indices do not change and
+    :func:`revert_sync_batchnorm` restores both. The fused layer is synchronized over
+    ``process_group`` (default: the default group; a ``SyncBatchNorm`` keeps its own).
+    """
+    hooks = _global_hooks()
+    if hooks:
+        warnings.warn(
+            f"syncbn.fuse_batchnorm_act: nothing fused: global module hooks are registered ({', '.join(hooks)}), "
+            "and they would see a fused batch norm's output activated",
+            stacklevel=2,
+        )
+        return module
+    if not any(True for _ in module.children()) or isinstance(module, (_BatchNorm, _FusedActivation)):
+        return module
+    if isinstance(module, torch.jit.ScriptModule):  # compiled code: nothing to rewire
+        return module
+    found = []
+    for training in (True, False):
+        try:
+            graph, reads = _trace(module, training)
+        except Exception as exc:  # untraceable: nothing can be proved
+            warnings.warn(
+                f"syncbn.fuse_batchnorm_act: nothing fused: torch.fx cannot trace "
+                f"{type(module).__qualname__} in {'training' if training else 'eval'} mode "
+                f"({type(exc).__name__}: {exc}); a model is fused only where its whole forward traces",
+                stacklevel=2,
+            )
+            return module
+        found.append(_pairs_in(module, graph, reads))
+    (train_pairs, train_refused, train_calls), (eval_pairs, eval_refused, eval_calls) = found
+    refused = {**eval_refused, **train_refused}
+    pairs = {}
+    for bn_name, (act_name, spec, fresh, guard) in train_pairs.items():
+        other = eval_pairs.get(bn_name)
+        if bn_name in refused:
+            continue
+        if other is None or other[0] != act_name:
+            refused[bn_name] = "the eval-mode trace does not show the same pair"
+            continue
+        pairs[bn_name] = (act_name, spec, fresh and other[2], guard + other[3])
+    for bn_name in eval_pairs:
+        if bn_name not in train_pairs and bn_name not in refused:
+            refused[bn_name] = "the training-mode trace does not show the same pair"
+    # a shared activation module turns into an identity only if every call of it is fused
+    uses = Counter(act_name for act_name, *_ in pairs.values())
+    for bn_name, (act_name, *_) in list(pairs.items()):
+        if uses[act_name] != train_calls[act_name] or uses[act_name] != eval_calls[act_name]:
+            refused[bn_name] = f"its activation {act_name} is also called where it cannot be fused"
+            del pairs[bn_name]
+    if refused:
+        warnings.warn(
+            "syncbn.fuse_batchnorm_act left these batch norms unfused: "
+            + "; ".join(f"{name} ({why})" for name, why in sorted(refused.items())),
+            stacklevel=2,
+        )
+    placeholders = {}
+    for bn_name, (act_name, spec, fresh, guard) in pairs.items():
+        act = module.get_submodule(act_name)
+        new, placeholder = _fuse(module.get_submodule(bn_name), act, spec, process_group, inplace and fresh)
+        if guard:
+            new.__dict__["_syncbn_fusion_guard"] = _FusionGuard(guard)
+        _set_submodule(module, bn_name, new)
+        placeholders.setdefault(act_name, placeholder)
+    for act_name, placeholder in placeholders.items():
+        _set_submodule(module, act_name, placeholder)
+    name_layers(module)
+    return module
+
+
+def name_layers(root: nn.Module) -> None:
+    """Record every synchronized layer's qualified name in ``root`` for the fingerprint
+    (see :mod:`syncbn.torch.fingerprint`). :func:`convert_sync_batchnorm` and
+    :func:`fuse_batchnorm_act` call it; call it yourself for a model built with syncbn's
+    layers directly."""
+    for name, module in root.named_modules():
+        if isinstance(module, _SyncNormBase):
+            fingerprint.set_layer_name(module, name or type(module).__name__)

@@ -1,0 +1,395 @@
+"""Synchronized batch normalization as a function, in the style of
+``torch.nn.functional.batch_norm``.
+
+Training across a process group of W > 1 ranks, per channel c:
+
+    mu    = sum over all ranks of x / N
+    var   = sum over all ranks of (x - mu)^2 / N          (biased)
+    y     = (x - mu) / sqrt(var + eps) * weight + bias
+
+with N the global element count of the channel. The backward pass sums
+``dy`` and ``dy * xhat`` over all ranks, so the input gradient is the one a single
+device would compute on the concatenated batch; the weight and bias gradients stay
+local sums, to be averaged by the data-parallel wrapper.
+
+One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
+the input needs no gradient), whatever the world size; each also carries the call's
+fingerprint (18 values, :mod:`syncbn.torch.fingerprint`), so ranks in different layer calls
+raise instead of mixing statistics. Not distributed, a group of
+one, or not training: exactly ``torch.nn.functional.batch_norm``.
+
+``torch.compile(..., fullgraph=True)`` traces all of it without a graph break: the
+autograd Function, its functional all-reduce each way, the running-buffer update (an
+input mutation the compiler writes back) and the local-moment kernel (through the
+``syncbn::pack_moments`` custom op). The host reads of the eager CPU path (the global
+count, the fingerprint's verdict, whether some |mean| is far above the std) cost nothing
+on the CPU; under the compiler the count check and the verdict are asserts inside the
+graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import distributed, fingerprint, stats
+from .recompute import recomputing
+
+__all__ = ["sync_batch_norm", "check_input", "recomputing", "refuse_create_graph"]
+
+
+def refuse_create_graph(name: str) -> None:
+    """Raise, naming the layer, when autograd runs a backward pass with
+    ``create_graph=True`` (grad mode is then on inside ``backward``): the synchronized
+    backward passes are not differentiable, and a gradient built without a graph would
+    silently drop every second-order term, even when the incoming gradient is a constant."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: higher-order gradients are not supported (a backward pass with "
+            "create_graph=True reached the layer: gradient penalty, hessian, double backward). "
+            "Use torch.nn batch norm for that computation (syncbn.revert_sync_batchnorm), or "
+            "keep the layer out of the differentiated graph."
+        )
+
+
+# The local moments come from a native kernel that torch 2.13 cannot trace with fake
+# tensors. Under torch.compile the packing is called through this custom op instead: one
+# opaque kernel for the compiler, the same code as eager (stats.pack_moments). A torch
+# without torch.library.custom_op (before 2.4) traces stats.pack_moments directly, and
+# torch.compile without fullgraph then falls back to eager for it (a graph break).
+def _pack_moments_eager(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return stats.pack_moments(x, dtype)
+
+
+_pack_moments_op = None
+if hasattr(torch.library, "custom_op"):
+    # the schema written out: torch 2.4 cannot infer it from this module's string
+    # annotations (``from __future__ import annotations``)
+    _pack_moments_op = torch.library.custom_op(
+        "syncbn::pack_moments", mutates_args=(), schema="(Tensor x, ScalarType dtype) -> Tensor"
+    )(_pack_moments_eager)
+
+    @_pack_moments_op.register_fake
+    def _(x: Tensor, dtype: torch.dtype) -> Tensor:
+        return x.new_empty(2 * x.shape[1] + 1, dtype=dtype)
+
+
+def _pack_moments(x: Tensor, dtype: torch.dtype) -> Tensor:
+    if _pack_moments_op is not None and distributed.compiling():
+        return _pack_moments_op(x, dtype)
+    return stats.pack_moments(x, dtype)
+
+
+def _check_count(count: Tensor, n: int, shape, device_side: bool = False) -> None:
+    """Raise on every rank when the group holds at most one value per channel.
+
+    Only a rank that holds at most one element per channel can live in a group whose
+    global count is <= 1; ranks with more know the count is fine. So the ranks that read
+    the count are exactly the ranks that may have to raise, and when the count is too
+    small they all read it and all raise. Under torch.compile the host read would break
+    the graph: there the check is an asynchronous assert in the graph instead (raised
+    where the compiled kernel runs, on the same ranks). The CUDA path (``device_side``)
+    takes that assert too: no host synchronisation, at the price of a device-side error.
+    """
+    if n > 1:
+        return
+    if device_side or distributed.compiling():
+        torch._assert_async(count > 1, "Expected more than 1 value per channel when training across the process group")
+        return
+    _refuse_count(count.item(), shape)
+
+
+def _refuse_count(total: float, shape) -> None:
+    """Raise where the group's count ``total`` (the same number on every rank) is <= 1."""
+    if total <= 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training across the process "
+            f"group, got {int(total)} value(s) per channel in total "
+            f"(local input shape {tuple(shape)})"
+        )
+
+
+def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_batch_norm") -> None:
+    """Raise a clear error for an input no batch norm can take.
+
+    These depend only on the layer and the input's shape and dtype, so every rank that
+    runs the same model raises the same error before any collective is issued.
+    """
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor input, got {type(input).__name__}")
+    if input.dim() < 2 or input.dim() > 5:
+        raise ValueError(
+            f"{name}: expected a 2D to 5D input of shape (N, C, *), got {input.dim()}D input "
+            f"of shape {tuple(input.shape)}"
+        )
+    if num_features is not None and input.shape[1] != num_features:
+        raise ValueError(
+            f"{name}: expected {num_features} channels in dim 1 (num_features), got input "
+            f"of shape {tuple(input.shape)} with {input.shape[1]} channels"
+        )
+    if not input.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Forward and backward of the synchronized layer; one all-reduce each way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, tag):
+        channels = x.shape[1]
+        n = x.numel() // channels if channels else 0
+        centered = None
+        world = distributed.group_size(group)
+        ctx.group, ctx.tag, ctx.world = group, tag, world
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.cuda = stats.cuda_path(x) and not distributed.compiling()
+        if ctx.cuda:  # 3 passes, no host read (stats.cuda_path)
+            y, mean_c, invstd, count = _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum,
+                                                     group, tag, world)
+            ctx.save_for_backward(x, weight, mean_c, invstd, count)
+            return y
+        # the CPU path reads its verdicts at once (tests take "cpu" out of the immediate
+        # devices to run the portable path below, as on devices without native kernels)
+        ctx.cpu = x.device.type == "cpu" and "cpu" in fingerprint.IMMEDIATE_DEVICES and not distributed.compiling()
+        if ctx.cpu:
+            y, mean_c, invstd, count = _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum,
+                                                    group, tag, world)
+            ctx.save_for_backward(x, weight, mean_c, invstd, count)
+            return y
+        if distributed.compiling():
+            packed = _pack_moments(x, stats.accumulate_dtype(x.device))
+        else:  # the centered input, where the CPU path makes one, is normalized in place
+            packed, centered, provisional = stats.pack_moments(x, stats.accumulate_dtype(x.device), keep=True)
+        packed, ok = fingerprint.all_reduce_checked(packed, group, tag, world)
+        count, mean, var = stats.merge_moments(packed, channels)
+        _check_count(count, n, x.shape)
+
+        if running_mean is not None or running_var is not None:
+            stats.update_running_stats(running_mean, running_var, mean, var, count, momentum, ok=ok)
+
+        cdtype = stats.compute_dtype(x.dtype)
+        mean_c = mean.to(cdtype)
+        var_c = var.to(cdtype)
+        invstd = torch.rsqrt(var_c + eps)
+        # the statistics stay in float32 for half inputs: the (C-sized) affine
+        # parameters are brought to their dtype rather than the statistics to half
+        scale = invstd if weight is None else invstd * weight.to(cdtype)
+        shift = torch.zeros_like(mean_c) if bias is None else bias.to(cdtype)
+        if centered is None:
+            y = stats.affine(x, mean_c, scale, shift)
+        else:  # (x - s) - (mean - s): no cancellation where |mean| >> std
+            offset = (mean - provisional.to(mean.dtype)).to(cdtype)
+            y = stats.affine(centered, offset, scale, shift, out=centered).to(x.dtype)
+
+        ctx.save_for_backward(x, weight, mean_c, invstd, count)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        refuse_create_graph("SyncBatchNorm")
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy = dy.contiguous(memory_format=stats.memory_format(x))
+        if ctx.cuda:
+            dx, dw, db = _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b)
+            fingerprint.end_step(ctx.group)
+            return dx, dw, db, None, None, None, None, None, None
+        if ctx.cpu:
+            dx, dw, db = _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b)
+            fingerprint.end_step(ctx.group)
+            return dx, dw, db, None, None, None, None, None, None
+        # the backward payload of every path: sum dy and sum dy (x - mean) (the CUDA
+        # kernels' sums), so that a compiled rank and an eager one sum alike
+        sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))
+
+        dx = None
+        if need_x:
+            channels = x.shape[1]
+            packed = torch.cat([sum_dy, sum_dy_xmu])
+            packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
+            global_dy, global_dy_xhat = packed[:channels], packed[channels:] * invstd
+            if x.numel() == 0:
+                dx = torch.zeros_like(x)
+            else:
+                dx = stats.input_grad(dy, x, weight, mean, invstd, global_dy, global_dy_xhat, count)
+        dw = (sum_dy_xmu * invstd).to(weight.dtype) if need_w else None
+        db = sum_dy.to(ctx.bias_dtype) if need_b else None
+        fingerprint.end_step(ctx.group)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+# ---- the CPU path: torch's CPU kernels where they are exact, few C-sized operations
+# Per call, forward: the local statistics (stats.cpu_local_stats), the payload
+# ([fingerprint, n, n m, n (var + m^2)]: one cat, two in-place operations), the all-reduce,
+# the verdict read at once (a host read of 18 values costs nothing on the CPU), the merge
+# (stats.cpu_statistics), one lerp of both running buffers and one affine pass (torch's
+# inference kernel). Backward: torch's backward reduction, one cat, the all-reduce, the
+# verdict and two passes for the input gradient (stats.input_grad).
+
+
+def _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, tag, world):
+    fingerprint.check_world(world)
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    cdtype = stats.compute_dtype(x.dtype)
+    if n:
+        mean, var = stats.cpu_local_stats(x)
+    else:
+        mean = var = torch.zeros(channels, dtype=cdtype)
+    fixed = fingerprint.payload_values(tag)
+    size = len(fixed)
+    packed = stats.cpu_pack_moments(mean, var, n, stats.accumulate_dtype(x.device), fixed)
+    packed = distributed.all_reduce_sum(packed, group)
+    fingerprint.check_now(packed[:size], group, tag, world)
+    total = packed[size].item()  # a host read that costs nothing on the CPU
+    _refuse_count(total, x.shape)
+    mean_c, invstd, unbiased = stats.cpu_statistics(packed[size + 1:], total, eps, cdtype)
+    count = packed[size]
+    stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, None)
+    if not n:
+        return torch.empty_like(x), mean_c, invstd, count
+    scale = invstd if weight is None else invstd * weight.to(cdtype)
+    shift = stats.constant(stats._filled, (0.0, channels), cdtype, x.device) if bias is None else bias.to(cdtype)
+    # in units of the std (var + eps = 1), is any |mean| above 16?
+    if not stats.far_from_zero(mean_c * invstd, stats.constant(stats._filled, (1.0, 1), cdtype, x.device)):
+        return stats.affine(x, mean_c, scale, shift), mean_c, invstd, count
+    # |mean| >> std: x - mean_c rounds relative to itself, and mean_c is the rounding of
+    # the float64 mean: the rest of the difference, mean - mean_c, is small and exact
+    rest = (packed[size + 1:size + 1 + channels] / count - mean_c).to(cdtype)
+    centered = torch.sub(x.to(cdtype), mean_c.view(stats._channel_shape(x.dim(), channels)))
+    return stats.affine(centered, rest, scale, shift, out=centered).to(x.dtype), mean_c, invstd, count
+
+
+def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy: Tensor, sum_dy_xmu: Tensor, cuda: bool):
+    """The input gradient from this rank's backward sums ``(sum dy, sum dy (x - mean))``,
+    summed over the group with the backward fingerprint in front (one all-reduce); the
+    verdict read at once on the CPU, left on the device on the CUDA path. Every path sends
+    these two sums (the CUDA kernels' own; the others convert from ``sum dy xhat``), so
+    ranks on different paths (one compiled, one eager) sum alike."""
+    fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, sum_dy.device)
+    size, channels = fixed.shape[0], sum_dy.shape[0]
+    packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xmu]), ctx.group)
+    verdict = fingerprint.pending_verdict if cuda else fingerprint.check_now
+    verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    total_dy, total_dy_xmu = packed[size:size + channels], packed[size + channels:]
+    if cuda:
+        return stats.cuda_input_grad(dy, x, weight, mean, invstd, total_dy, total_dy_xmu, count)
+    return stats.input_grad(dy, x, weight, mean, invstd, total_dy, total_dy_xmu * invstd, count)
+
+
+def _ones_like(invstd: Tensor) -> Tensor:
+    """Ones in place of ``invstd``: :func:`stats.backward_sums` then gives ``sum dy (x - mean)``."""
+    return stats.constant(stats._filled, (1.0, invstd.shape[0]), invstd.dtype, invstd.device)
+
+
+def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b):
+    sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))  # sum dy (x - mean)
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, False) if need_x else None
+    dw = (sum_dy_xmu * invstd).to(weight.dtype) if need_w else None
+    db = sum_dy.to(ctx.bias_dtype) if need_b else None
+    return dx, dw, db
+
+
+# ---- the CUDA path (stats.cuda_path): torch's kernels, C-sized operations, no host read
+# Per call, forward: the statistics kernel, the payload (one cat, two addcmul),
+# the all-reduce, the fingerprint verdict (2), the merge (5), the running buffers (3) and
+# batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
+# verdict (2), the integer count and batch_norm_backward_elemt. The payloads are those of
+# every path (so that ranks on different paths, compiled and eager, sum alike):
+# [fingerprint, n, n m, n (var + m^2)] forward, [fingerprint, sum dy, sum dy (x - mean)]
+# backward.
+
+
+def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, tag, world):
+    fingerprint.check_world(world)
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    mean, var = stats.cuda_local_stats(x)
+    fixed = fingerprint.payload_values(tag)
+    size = len(fixed)
+    packed = stats.cuda_pack_moments(mean, var, n, stats.accumulate_dtype(x.device), fixed)
+    packed = distributed.all_reduce_sum(packed, group)
+    ok = fingerprint.pending_verdict(packed[:size], group, tag, world)
+    _check_count(packed[size], n, x.shape, device_side=True)
+    mean_c, invstd, unbiased, count = stats.cuda_statistics(packed[size:], channels, eps, stats.compute_dtype(x.dtype))
+    stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, ok)
+    y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
+    return y, mean_c, invstd, count
+
+
+def _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b):
+    channels = x.shape[1]
+    if x.numel() == 0:
+        sum_dy = sum_dy_xmu = torch.zeros(channels, dtype=mean.dtype, device=x.device)
+        dw = torch.zeros_like(weight) if need_w else None
+        db = torch.zeros(channels, dtype=ctx.bias_dtype, device=x.device) if need_b else None
+    else:
+        sum_dy, sum_dy_xmu, dw, db = stats.cuda_backward_reduce(dy, x, mean, invstd, weight, need_w, need_b)
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, True) if need_x else None
+    dw = None if dw is None else dw.to(weight.dtype)
+    db = None if db is None else db.to(ctx.bias_dtype)
+    return dx, dw, db
+
+
+def sync_batch_norm(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    training: bool = False,
+    momentum=0.1,
+    eps: float = 1e-5,
+    process_group=None,
+    *,
+    name: Optional[str] = None,
+    layer=None,
+) -> Tensor:
+    """Batch normalization whose training statistics span every rank of ``process_group``.
+
+    Arguments are those of :func:`torch.nn.functional.batch_norm`, plus the process
+    group (the default group when None). ``momentum`` is the weight of the new batch
+    statistics in the running buffers (``0.1`` like ``torch.nn``); pass
+    ``1 / num_batches_tracked`` for a cumulative average (a 0-d tensor works too and
+    avoids a host read).
+
+    In training with a group of more than one rank, every rank must call this for the
+    same layer in the same order: each call is one all-reduce forward and one backward.
+    An empty local batch is allowed (it still takes part); a global count of at most
+    one element per channel raises ``ValueError`` on every rank (under ``torch.compile``,
+    a ``RuntimeError`` from an assert inside the compiled graph, see ``_check_count``).
+
+    Every training call on W > 1 ranks carries a fingerprint in its two all-reduces (see
+    :mod:`syncbn.torch.fingerprint`): ranks that are in different layer calls raise
+    :class:`syncbn.torch.fingerprint.LayerMismatchError` on every rank, before the running
+    buffers move. ``name`` identifies the call there (default ``"sync_batch_norm"``);
+    ``layer`` is the module calling (its recorded name is used instead).
+
+    A training call recomputed by :func:`syncbn.checkpoint` during the backward pass
+    (see :func:`recomputing`) normalizes as the first call did and leaves the running
+    buffers alone, so they are updated once per step, as without checkpointing.
+    """
+    check_input(input, None if running_mean is None else running_mean.shape[0])
+    if training and recomputing():  # activation checkpointing: the buffers moved already
+        running_mean = None if running_mean is None else running_mean.clone()
+        running_var = None if running_var is None else running_var.clone()
+    if not training or distributed.group_size(process_group) == 1:
+        if isinstance(momentum, Tensor):
+            momentum = float(momentum)
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if eps <= 0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
+
+
+@distributed.eager_unless_traceable
+def _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name):
+    tag = fingerprint.forward_tag(layer, input.shape[1], process_group, name)
+    return _SyncBatchNorm.apply(
+        input, weight, bias, running_mean, running_var, eps, momentum, process_group, tag
+    )

@@ -1,0 +1,303 @@
+"""``syncbn bench``: the quick run end to end (report structure and the collectives it
+counted at the process group), and the report's handling of missing peers.
+
+Timings are never asserted: the bars are printed by the report, not tested.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from syncbn.bench import communication, cuda_counts, memory, report, runner
+from syncbn.bench.plan import PEERS, make_plan
+
+QUICK_TIMEOUT = 420  # about 90-110 s on two cores (the multi-worker Keras row adds ~15 s); generous for a loaded machine
+
+
+def _bench_command():
+    """``python -m syncbn bench`` once the subcommand is registered, else the module."""
+    try:
+        from syncbn.cli import COMMANDS
+    except ImportError:
+        COMMANDS = {}
+    return [sys.executable, "-m", "syncbn", "bench"] if "bench" in COMMANDS else [sys.executable, "-m", "syncbn.bench"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([*_bench_command(), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out, json.loads((out / "report.json").read_text()), proc.stdout
+
+
+def test_quick_writes_every_output(quick):
+    out, rep, stdout = quick
+    assert (out / "report.md").read_text().startswith("# syncbn bench")
+    for name in rep["images"]:
+        assert (out / name).stat().st_size > 0
+    for section in ("meta", "plan", "timing", "floor", "communication", "memory", "numerics", "bars", "fused",
+                    "skipped", "runs", "errors", "notes"):
+        assert section in rep, section
+    assert rep["meta"]["quick"] is True and rep["plan"]["quick"] is True
+    assert rep["errors"] == {}, json.dumps(rep["errors"], indent=1)[:4000]
+    # every bar is printed as a pass/fail/n.a. line, none is asserted here
+    assert len(rep["bars"]) == 11
+    for bar in rep["bars"]:
+        assert bar["passed"] in (True, False, None) and bar["figure"]
+        assert bar["bar"] in stdout
+
+
+def test_quick_counts_one_collective_each_way(quick):
+    _, rep, _ = quick
+    counted = rep["communication"]["counted"]
+    assert {c["channels"] for c in counted} == set(rep["plan"]["comm_channels"])
+    assert all(c["world"] >= 2 for c in counted)
+    for c in counted:
+        ch = c["channels"]
+        assert c["forward"]["count"] == 1 and c["backward"]["count"] == 1 and c["eval"]["count"] == 0
+        assert [call["op"] for call in c["forward"]["calls"] + c["backward"]["calls"]] == ["all_reduce"] * 2
+        f = communication.FINGERPRINT  # the layer fingerprint's values ride along
+        assert c["forward"]["payload_bytes"] == (2 * ch + 1 + f) * 8  # float64 sums
+        assert c["backward"]["payload_bytes"] == (2 * ch + f) * 4  # float32 sums
+    table = rep["communication"]["tables"]["256"]
+    assert [r["world"] for r in table] == [2**k for k in range(1, 11)]
+    assert any(r["source"] == "counted" for r in table)
+    assert len({r["syncbn_payload_bytes"] for r in table}) == 1
+
+
+def test_quick_times_every_installed_peer(quick):
+    _, rep, _ = quick
+    rows = rep["timing"]["rows"]
+    seen = {(r["impl"], r["world"]) for r in rows}
+    for key in ("torch_bn", "syncbn"):
+        for world in (None, 1, 2):
+            assert (key, world) in seen
+    assert all(r["median_ms"] > 0 and r["repeats"] == rep["plan"]["repeats"] for r in rows)
+    # at W = 2 both layers' times without their all-reduces, each against BatchNorm2d alone
+    for key in ("syncbn_compute", "bn_collectives_compute"):
+        assert (key, 2) in seen and (key, None) not in seen, key
+        assert all(r["ratio_to_bn"] > 0 for r in rows if r["impl"] == key)
+    assert ("bn_collectives", 2) not in seen  # only its time without the all-reduces is a row
+    # syncbn's synchronized step in a group of two emulated in the single process
+    assert ("syncbn_emulated", None) in seen
+    assert all(r["world"] is None and r["ratio_to_bn"] > 0 for r in rows if r["impl"] == "syncbn_emulated")
+    refused = {(r["impl"], r["world"]) for r in rep["timing"]["refusals"]}
+    # torch.nn.SyncBatchNorm refuses CPU inputs: a result, not a crash (or, one day, a row)
+    assert ("torch_syncbn", 2) in refused or ("torch_syncbn", 2) in seen
+    skipped = {s["peer"] for s in rep["skipped"]}
+    for key in ("keras_sync", "syncbn_keras", "flax"):
+        assert key in skipped or (key, 2) in seen, key
+
+
+def test_emulated_step_takes_the_synchronized_path(monkeypatch):
+    """The emulated group of two runs syncbn's synchronized call (two all-reduces, the
+    running variance of a batch counted twice) and refuses a layer that would not."""
+    import torch
+
+    from syncbn.bench import torch_peer
+
+    x = torch.randn(3, 4, 5, 5, requires_grad=True)
+    dy = torch.randn_like(x)
+    built = []
+    real_build = torch_peer.build
+    monkeypatch.setattr(torch_peer, "build", lambda key, channels: built.append(real_build(key, channels)) or built[-1])
+    step, _ = torch_peer.emulated_step(4, x, dy)
+    step()
+    layer = built[0]
+    # two steps (the check and this one), momentum 0.1, from ones, towards the unbiased
+    # variance over the doubled count 2n: var_b * 2n / (2n - 1)
+    n = x[:, 0].numel()
+    var = x.detach().var(dim=(0, 2, 3), unbiased=False).double() * (2 * n) / (2 * n - 1)
+    expected = 1 + (var - 1) * (1 - 0.9**2)
+    assert torch.allclose(layer.running_var.double(), expected, rtol=1e-5, atol=0)
+    monkeypatch.setattr(torch_peer, "build", lambda key, channels: torch.nn.BatchNorm2d(channels))
+    with pytest.raises(RuntimeError, match="made 0 all-reduce"):
+        torch_peer.emulated_step(4, x, dy)
+
+
+def test_quick_keras_multiworker_row(quick):
+    """Keras at syncbn's topology (2 worker processes, MultiWorkerMirroredStrategy)
+    beside syncbn's torch layer at 2 gloo processes: structure and finite, positive
+    figures (no bar: the speeds are printed, not asserted)."""
+    _, rep, stdout = quick
+    if "keras_multiworker" in {s["peer"] for s in rep["skipped"]}:
+        assert rep["keras_multiworker"] is None and "skipped Keras synchronized BN and syncbn.keras" in stdout
+        return
+    mw = rep["keras_multiworker"]
+    assert mw["label"] == "2 worker processes, MultiWorkerMirroredStrategy" and mw["world"] == 2
+    assert mw["label"] in stdout
+    assert [r["point"] for r in mw["rows"]] == rep["plan"]["keras_multiworker"]["points"]
+    torch_w2 = {r["point"]: r["median_ms"] for r in rep["timing"]["rows"] if r["impl"] == "syncbn" and r["world"] == 2}
+    for row in mw["rows"]:
+        assert {k: row[k] for k in ("N", "C", "H", "W", "layout")} == rep["plan"]["points"][row["point"]]
+        assert row["repeats"] == rep["plan"]["repeats"]
+        assert row["syncbn_torch_ms"] == torch_w2[row["point"]]  # the torch peer's figure, same point
+        for key in ("keras_sync_ms", "syncbn_keras_ms", "syncbn_torch_ms", "ratio_syncbn_keras_to_keras_sync",
+                    "ratio_syncbn_torch_to_keras_sync"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert row["ratio_syncbn_keras_to_keras_sync"] == pytest.approx(row["syncbn_keras_ms"] / row["keras_sync_ms"])
+        assert row["ratio_syncbn_torch_to_keras_sync"] == pytest.approx(row["syncbn_torch_ms"] / row["keras_sync_ms"])
+    for key in ("median_ratio_syncbn_keras_to_keras_sync", "median_ratio_syncbn_torch_to_keras_sync"):
+        assert math.isfinite(mw[key]) and mw[key] > 0, (key, mw)
+    # the in-process MirroredStrategy rows stay
+    seen = {(r["impl"], r["world"]) for r in rep["timing"]["rows"]}
+    assert {("keras_sync", 2), ("syncbn_keras", 2)} <= seen
+
+
+def test_quick_numerics_and_memory(quick):
+    _, rep, _ = quick
+    offsets = [str(float(o)) for o in rep["numerics"]["offsets"]]
+    by_impl = {r["impl"]: r for r in rep["numerics"]["rows"]}
+    for key in ("syncbn", "naive_float32", "torch_bn_one_process"):
+        assert sorted(by_impl[key]["errors"]) == sorted(offsets)
+    spec = rep["plan"]["large_planes"]
+    large = rep["numerics"]["large_planes"]
+    assert len(large) == len(spec["shapes"]) * len(spec["offsets"]) * len(spec["worlds"])
+    for row in large:  # the figures come back finite (the bar compares them; see test_stats for bounds)
+        assert all(0 <= row[k] < 1 for k in ("syncbn_var", "syncbn_out", "torch_bn_var")), row
+    counts = rep["cuda_counts"]  # the CUDA path counted on the CPU (bars in test_stats / the report)
+    assert [(r["shape"], r["layout"]) for r in counts["syncbn"]] == [
+        (s, layout) for s in rep["plan"]["cuda_counts"]["shapes"] for layout in rep["plan"]["cuda_counts"]["layouts"]]
+    for r in counts["syncbn"]:
+        assert r["forward"]["collectives"] == 1 and r["backward"]["collectives"] == 1
+    mem = rep["memory"]
+    assert {b["block"] for b in mem["blocks"] if b["available"]} >= {
+        "torch.nn.BatchNorm2d + LeakyReLU", "syncbn.SyncBatchNorm + LeakyReLU"}
+    for b in mem["blocks"]:
+        assert b["available"] or b["reason"]
+    assert mem["peak_step"] and all(p["available"] or p["reason"] for p in mem["peak_step"])
+    assert {p["layout"] for p in mem["peak_step"]} == {"contiguous", "channels_last"}
+    for layout in ("contiguous", "channels_last"):
+        rows = {p["model"]: p for p in mem["peak_step"] if p["layout"] == layout and p["available"]}
+        fused = next((p for name, p in rows.items() if "fused" in name), None)
+        bound = rows.get(memory.OUTPUT_ONLY)
+        if fused is not None:  # the stand-in is a bound: no layer keeping its output goes below it
+            assert bound is not None and bound["fused_layers"] == fused["fused_layers"] > 0
+            assert bound["peak_allocated_bytes"] <= fused["peak_allocated_bytes"]
+        figure = next(f for f in rep["fused"] if f["figure"].endswith(f"fused / unfused, {layout}"))
+        assert figure["value"] is None or 0 < figure["value"] < 1.5
+    assert rep["floor"]["bytes_per_s"] > 0
+
+
+def test_keras_bar_judges_equal_topology():
+    """The bar against Keras synchronized BN takes the multi-worker run (2 worker
+    processes beside syncbn's 2 gloo processes): it fails when syncbn is slower at any
+    one of its points, whatever the in-process MirroredStrategy rows say (a figure)."""
+    in_process = [{"impl": "keras_sync", "world": 2, "point": i, "ratio_to_syncbn": r} for i, r in enumerate((0.8, 2.0))]
+    timing = {"rows": in_process, "summary": []}
+    empty = ({"counted": []}, {"rows": [], "large_planes": []}, make_plan(quick=True))
+
+    def keras_bar(ratios):
+        mw = None if ratios is None else {"rows": [{"ratio_syncbn_torch_to_keras_sync": r} for r in ratios]}
+        bars = report._bars(timing, *empty, mw)
+        assert len(bars) == 10  # the CUDA bar is added by build()
+        return next(b for b in bars if "equal topology" in b["bar"])
+
+    passed = keras_bar([0.4, 0.9, None])  # a point without syncbn's torch figure is left out
+    assert passed["passed"] is True
+    assert "worst point 0.90x over 2 point(s)" in passed["figure"]
+    assert "one process" in passed["figure"] and "worst point 1.25x" in passed["figure"]  # 1 / 0.8
+    assert keras_bar([0.4, 1.0])["passed"] is False
+    assert keras_bar([0.3, 1.01, 0.2])["passed"] is False
+    missing = keras_bar(None)
+    assert missing["passed"] is None and missing["figure"].startswith("not measured")
+
+
+def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.plans, "installed", lambda peer: "nothing")
+    notes = []
+    rep = runner.run_bench(make_plan(quick=True), tmp_path, say=notes.append)
+    assert {s["peer"] for s in rep["skipped"]} == set(PEERS)
+    assert rep["runs"] == [] and rep["timing"]["rows"] == []
+    assert len(rep["bars"]) == 11 and all(bar["passed"] is None for bar in rep["bars"])
+    assert "skipped" in report.terminal(rep)
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
+
+
+def test_communication_models():
+    for c in (1, 64, 256):
+        payloads = {communication.syncbn_model(w, c)["forward_payload_bytes"] for w in (2, 8, 1024)}
+        f = communication.FINGERPRINT
+        assert payloads == {(2 * c + 1 + f) * 8}
+        for w in (2, 4, 1024):
+            ours = communication.syncbn_model(w, c)
+            assert ours["forward_wire_bytes"] + ours["backward_wire_bytes"] < 2 * ((2 * c + 1 + f) * 8 + (2 * c + f) * 4)
+            theirs = communication.torch_syncbn_model(w, c)
+            assert theirs["forward_wire_bytes"] == (w - 1) * (2 * c + 1) * 4
+
+
+def test_output_only_stand_in_keeps_exactly_its_output():
+    """The memory bound's stand-in: same forward output as the fused layer, and it saves
+    one tensor, its output, whose storage is the input's (written in place)."""
+    torch = pytest.importorskip("torch")
+    from syncbn import SyncBatchNormAct
+    from syncbn.tools.memory import saved_tensors
+
+    torch.manual_seed(0)
+    fused = SyncBatchNormAct(8, "leaky_relu", memory.LEAKY_SLOPE)
+    with torch.no_grad():
+        fused.weight.uniform_(0.5, 2.0)
+        fused.bias.uniform_(-1.0, 1.0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), fused)
+    x = torch.randn(4, 3, 16, 16)
+    expected = model(x).detach()
+    bound = memory._output_only(model)
+    assert type(bound[1]).__name__ == "OutputOnly" and memory._count_fused(bound) == 1
+    with saved_tensors(ignore=[bound]) as saved:
+        y = bound(x)
+    torch.testing.assert_close(y.detach(), expected, atol=1e-5, rtol=1e-5)
+    # the conv keeps x (its input), the stand-in its output: nothing else
+    assert saved.storages == 2 and saved.bytes == x.numel() * 4 + y.numel() * 4
+    y.backward(torch.ones_like(y))
+    assert bound[0].weight.grad is not None
+
+
+def cuda_counts_job(spec):
+    import torch.distributed as dist
+
+    from syncbn.bench import cuda_counts
+    from workers import group_of
+
+    group = group_of(2)
+    return cuda_counts.layer_counts(spec, group) if dist.get_rank() < 2 else None
+
+
+def _cuda_counts(pool):
+    return pool.run(cuda_counts_job, {"shapes": [[2, 4, 6, 5]], "layouts": ["contiguous", "channels_last"]})[0]
+
+
+def test_cuda_path_counts_meet_the_bars(pool):
+    """The CUDA path, counted on the CPU: forward 3 activation-sized passes (read x for
+    the statistics; read x, write y), backward 5 (read dy and x; read dy and x, write
+    dx), no host synchronisation in a layer call, one collective each way. Counts, not
+    times: the same on any machine."""
+    rep = _cuda_counts(pool)
+    for row in rep["syncbn"]:
+        assert row["forward"]["passes"] == 3 and row["backward"]["passes"] == 5, row
+        for way in ("forward", "backward"):
+            assert row[way]["collectives"] == 1, row[way]
+            assert row[way]["host_syncs"] == 0, row[way]
+        # the one read is the layer fingerprint's verdicts, all of the step's at once when the
+        # backward pass ends (syncbn.torch.fingerprint.check_agreement): per step, not per layer
+        assert row["forward"]["per_step"]["launches"] == row["forward"]["per_step"]["host_syncs"] == 0
+        assert row["backward"]["per_step"]["host_syncs"] == 1 and row["backward"]["per_step"]["passes"] == 0
+        ops = [o["op"] for o in row["forward"]["ops"]] + [o["op"] for o in row["backward"]["ops"]]
+        assert "aten::batch_norm_elemt" in ops and "aten::batch_norm_backward_elemt" in ops
+        assert "aten::batch_norm_backward_reduce" in ops
+    assert all(b["passes_ok"] and b["no_host_sync"] for b in rep["bars"].values())
+
+
+def test_cuda_path_launches_within_torch_plus_four(pool):
+    """Kernel launches per layer call within torch.nn.SyncBatchNorm's + 4 each way (its
+    CUDA algorithm read off its source), the layer fingerprint's payload and device-side
+    verdict included."""
+    rep = _cuda_counts(pool)
+    for row in rep["syncbn"]:
+        for way in ("forward", "backward"):
+            assert row[way]["launches"] <= cuda_counts.TORCH_SYNCBN[way]["launches"] + 4, row[way]
+    assert all(b["launches_ok"] for b in rep["bars"].values())

@@ -1,0 +1,244 @@
+"""``syncbn demo``: the command end to end (as a user runs it) and its pieces.
+
+The end-to-end tests start the command as a subprocess with a deadline, in a new
+session, and kill that session if the deadline passes, so a stuck worker can never
+hang the suite. They check the figures written to results.json, never timings.
+"""
+
+import importlib.util
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from demo_checks import check_report, run_command
+from syncbn import cli, demo
+from syncbn.demo import report as demo_report, torch as demo_torch
+
+OPTIONS = (
+    "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
+    "--quick", "--lr", "--image-size", "--background-weight", "--width", "--train-size",
+    "--val-size", "--eval-every", "--progress", "--framework",
+)
+
+
+def test_quick_demo_spawned(tmp_path):
+    out_dir = tmp_path / "demo"
+    out, err = run_command([sys.executable, "-m", "syncbn", "demo", "--quick", "--out", str(out_dir)], tmp_path)
+    check_report(out_dir, 4, "spawned")
+    assert "syncbn matches the big batch" in out
+    for title in ("per-rank BN under DDP", "syncbn under DDP", "one process, batch 8"):
+        assert title in out
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_quick_demo_under_torchrun(tmp_path):
+    out_dir = tmp_path / "demo"
+    out, err = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "syncbn", "demo", "--quick", "--out", str(out_dir)],
+        tmp_path,
+    )
+    check_report(out_dir, 2, "torchrun")
+    assert out.count("syncbn matches the big batch") == 1  # rank 0 alone reports
+
+
+# the command as a user runs it, in a process where torch, TensorFlow and Keras cannot be imported
+NO_TORCH_NO_TF = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "tensorflow", "keras"):
+            raise ImportError(f"import of {name!r} blocked: the Flax demo must run without it")
+sys.meta_path.insert(0, Blocker())
+from syncbn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
+def test_short_flax_demo_without_torch_or_tensorflow(tmp_path):
+    out_dir = tmp_path / "demo"
+    # a few steps: each run compiles its own step; 12 are enough to separate the runs by far
+    out, err = run_command([sys.executable, "-c", NO_TORCH_NO_TF, "demo", "--framework", "flax", "--quick",
+                            "--steps", "12", "--eval-every", "6", "--out", str(out_dir)], tmp_path)
+    report = check_report(out_dir, 4, "pmap")
+    assert report["framework"] == "flax" and report["devices"] == [f"cpu:{i}" for i in range(4)]
+    assert report["model"]["batchnorm_layers"] == 14
+    assert "syncbn matches the big batch" in out
+    for title in ("per-device BN, pmap", "syncbn, pmap", "one device, batch 8"):
+        assert title in out
+
+
+SAME_START = """
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+from syncbn.demo.flax_models import TinyUNet, init_variables
+from syncbn.demo.keras_models import tiny_unet
+flax_model = TinyUNet(width=8)
+variables = init_variables(flax_model, 5, 16)
+keras_model = tiny_unet(5, 16, width=8)
+convs = [layer for layer in keras_model.layers if hasattr(layer, "kernel")]
+assert len(convs) == len(variables["params"]) - len(variables["batch_stats"]) == 15
+for layer in convs:
+    for name, value in (("kernel", layer.kernel), ("bias", getattr(layer, "bias", None))):
+        if value is not None:
+            assert np.array_equal(np.asarray(value.value), variables["params"][layer.name][name]), layer.name
+x = np.random.default_rng(1).random((2, 16, 16, 1)).astype("float32")
+ours = np.asarray(flax_model.apply(variables, x, train=False))
+theirs = np.asarray(keras_model(x, training=False))
+print(float(np.max(np.abs(ours - theirs))), float(np.max(np.abs(theirs))))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None or importlib.util.find_spec("keras") is None,
+                    reason="needs flax and keras")
+def test_flax_twin_starts_from_the_keras_twins_weights(tmp_path):
+    out, _ = run_command([sys.executable, "-c", SAME_START], tmp_path, timeout=300)
+    gap, scale = map(float, out.split())
+    # the same float32 weights through the same XLA convolutions (0.0 apart, measured): only
+    # how the BN / resize arithmetic is written may differ, a few roundings of 6e-8 relative per
+    # layer over 15 conv + 14 BN layers, ~1e-7 of the output's scale even if amplified tenfold;
+    # 2e-6 leaves a wide margin and still sees nearest for bilinear up-sampling (1.9e-5)
+    assert np.isfinite(gap) and np.isfinite(scale) and scale > 0
+    assert gap <= 2e-6 * scale, (gap, scale)
+
+
+def test_help_documents_every_option(tmp_path):
+    out, _ = run_command([sys.executable, "-m", "syncbn", "demo", "--help"], tmp_path, timeout=300)
+    for option in OPTIONS:
+        assert option in out, option
+    top, _ = run_command([sys.executable, "-m", "syncbn", "--help"], tmp_path, timeout=300)
+    assert "demo" in top
+
+
+# --------------------------------------------------------------------- the pieces
+
+
+def parse(*argv):
+    return demo.config_from_args(cli.build_parser("demo").parse_args(["demo", *argv]))
+
+
+def test_config_defaults_quick_and_explicit_options():
+    config = parse()
+    assert (config.world_size, config.batch_per_rank, config.backend, config.device) == (4, 2, "gloo", "cpu")
+    quick = parse("--quick")
+    assert quick.quick and quick.steps == demo.QUICK["steps"] < config.steps
+    mixed = parse("--quick", "--steps", "7", "--world-size", "3", "--seed", "9")
+    assert (mixed.steps, mixed.world_size, mixed.seed, mixed.val_size) == (7, 3, 9, demo.QUICK["val_size"])
+    assert parse("--device", "cuda").backend == "nccl"
+    assert parse("--device", "cuda", "--backend", "gloo").backend == "gloo"
+
+
+def test_keras_config_and_backends():
+    config = parse("--framework", "keras", "--quick")
+    assert (config.framework, config.backend, config.device) == ("keras", "tensorflow", "auto")
+    assert parse("--framework", "keras", "--backend", "jax").backend == "jax"
+    assert parse("--framework", "keras", "--device", "cpu").device == "cpu"
+    with pytest.raises(SystemExit, match="Keras backend"):
+        parse("--backend", "jax")
+    with pytest.raises(SystemExit, match="torch.distributed backend"):
+        parse("--framework", "keras", "--backend", "gloo")
+
+
+def test_flax_config():
+    config = parse("--framework", "flax", "--quick")
+    assert (config.framework, config.backend, config.device) == ("flax", "jax", "auto")
+    assert parse("--framework", "flax", "--backend", "jax").backend == "jax"
+    with pytest.raises(SystemExit, match="runs on JAX"):
+        parse("--framework", "flax", "--backend", "tensorflow")
+
+
+def test_restarted_process_gets_the_same_config():
+    for argv in ((), ("--framework", "flax", "--steps", "5", "--world-size", "2"), ("--framework", "keras", "--quick", "--steps", "5", "--no-progress"),
+                 ("--framework", "keras", "--backend", "jax", "--device", "cpu", "--seed", "3")):
+        config = parse(*argv)
+        assert parse(*demo.to_argv(config)) == config, argv
+
+
+def test_nccl_needs_cuda():
+    with pytest.raises(SystemExit, match="nccl"):
+        cli.main(["demo", "--backend", "nccl", "--device", "cpu"])
+
+
+def test_cli_without_a_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "demo" in capsys.readouterr().out
+
+
+def test_global_batches_are_seeded_epochs():
+    a = demo_report.global_batches(10, 7, 4, seed=1)
+    assert a.shape == (7, 4)
+    np.testing.assert_array_equal(a, demo_report.global_batches(10, 7, 4, seed=1))
+    flat = a.ravel()
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert not np.array_equal(a, demo_report.global_batches(10, 7, 4, seed=2))
+
+
+def test_mean_of_rank_losses_is_the_big_batch_loss():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 11, 6, 6, generator=gen, dtype=torch.float64)
+    masks = torch.randint(0, 11, (8, 6, 6), generator=gen)
+    weight = torch.rand(11, generator=gen, dtype=torch.float64) + 0.1
+    big = demo_torch.per_image_loss(logits, masks, weight).mean()
+    ranks = [demo_torch.per_image_loss(logits[r * 2 : r * 2 + 2], masks[r * 2 : r * 2 + 2], weight).mean() for r in range(4)]
+    # float64: the mean of 4 means of 2 vs one mean of 8, a handful of roundings of 2^-53 (1.1e-16)
+    # relative each; bound 1e-14 (about 90 of them)
+    torch.testing.assert_close(torch.stack(ranks).mean(), big, rtol=1e-14, atol=0)
+
+
+def test_learning_rate_decays_from_the_peak():
+    rates = [demo_report.learning_rate(0.1, 10, s) for s in range(1, 11)]
+    assert rates[0] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] > 0
+
+
+def test_relative_difference():
+    ref = {"a": np.array([3.0, 4.0], np.float32), "b": np.array([1.0, 0.0], np.float32)}
+    same = {k: v.copy() for k, v in ref.items()}
+    assert demo_report.relative_difference(same, ref)[0] == 0.0
+    moved = {"a": np.array([3.0, 4.5], np.float32), "b": np.array([1.0, 0.0], np.float32)}
+    value, name = demo_report.relative_difference(moved, ref)
+    assert name == "a" and value == pytest.approx(0.1)
+    broken = {"a": np.array([3.0, np.nan], np.float32), "b": ref["b"]}
+    assert demo_report.relative_difference(broken, ref) == (np.inf, "a")
+
+
+def test_eval_steps_end_at_the_last_step():
+    assert demo.DemoConfig(steps=10, eval_every=4).eval_steps() == [0, 4, 8, 10]
+
+
+def test_torch_demo_imports_no_keras_framework(tmp_path):
+    code = ("import sys, syncbn.demo, syncbn.demo.torch, syncbn.demo.report; "
+            "print(sorted(m for m in ('tensorflow', 'keras', 'jax') if m in sys.modules))")
+    out, _ = run_command([sys.executable, "-c", code], tmp_path, timeout=300)
+    assert out.strip() == "[]"
+
+
+def _record(title, shift, steps=2):
+    snap = {"w": np.array([1.0 + shift, 2.0], np.float32)}
+    return demo_report.RunRecord(title, losses=[1.0, 0.5], miou={0: 0.1, steps: 0.2},
+                                 snapshots={0: snap, steps: snap}, buffers=dict(snap),
+                                 class_iou=[0.2] * 11, predictions=np.zeros((1, 4, 4), np.uint8))
+
+
+@pytest.mark.parametrize("sync_shift, per_rank_shift, matches, separated", [
+    (1e-4, 1.0, True, True),      # the bars met: 4.5e-5 < 1e-3, 10^4 x further
+    (1e-4, 5e-3, True, False),    # per-rank BN only 50x further away
+    (1e-2, 1.0, False, True),     # syncbn above the 1e-3 bar
+    (np.nan, 1.0, False, False),  # a NaN never passes
+])
+def test_the_bars_are_printed(sync_shift, per_rank_shift, matches, separated):
+    config = demo.DemoConfig(steps=2, samples=1)
+    records = {"per_rank_bn": _record("per-replica BN, somewhere", per_rank_shift),
+               "syncbn": _record("syncbn, somewhere", sync_shift), "big_batch": _record("one replica", 0.0)}
+    samples = {"images": np.zeros((1, 1, 4, 4), np.float32), "truth": np.zeros((1, 4, 4), np.int64)}
+    report = demo_report.summarize(config, "a test", "none", records, samples, {"model": {"batchnorm_layers": 1}})
+    assert (report["syncbn_matches_big_batch"], report["per_rank_bn_further_away"]) == (matches, separated)
+    table = demo_report.format_table(report)
+    assert ("syncbn matches the big batch" in table) == matches
+    assert ("WARNING: syncbn is" in table) == (not matches)
+    assert ("less than the 100x bar" in table) == (not separated)

@@ -1,0 +1,200 @@
+"""One rank of a 2-process ``torch.distributed`` (gloo, 127.0.0.1) run of
+``SyncBatchNormalization`` on the Keras PyTorch backend.
+
+Before joining the group it checks the layer against ``keras.layers.BatchNormalization``
+(no distribution: plain BN) and measures both variances at ``|mean| / std = 1e3``.
+Then, for every case, one training call on its own part of the batch; it saves its
+input, ``dy``, mask, output, gradients and weights to ``<out>/<case>-<rank>.npz`` and
+the number of all-reduce calls per layer call to ``<out>/info-<rank>.json``.
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=P python tests/keras_torch_worker.py --rank R --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+import keras_oracle as oracle
+
+# case -> (per-rank batch sizes, per-sample shape, channel axis, masked, layer kwargs);
+# masked "rank 1 none" masks everything on rank 1.
+CASES = {
+    "uneven": ([5, 3], (4, 3, 3), -1, False, {}),
+    "empty": ([4, 0], (3, 6), 1, False, {}),
+    "masked": ([3, 6], (5, 3), -1, True, {}),
+    "masked channels first": ([4, 3], (3, 5), 1, "rank 1 none", {}),
+    "one value in all": ([1, 0], (3,), -1, False, {}),
+    "nothing kept": ([2, 3], (4, 3), -1, "all none", {}),
+    "renorm": ([4, 5], (2, 3), -1, False, {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.8},
+                                          "renorm_momentum": 0.8}),
+}
+
+
+def weights_by_name(layer):
+    return {w.path.split("/")[-1]: np.array(w.numpy()) for w in layer.weights}
+
+
+def check_local(info):
+    """Not distributed: the same as Keras's layer; and the variance far from zero."""
+    import keras
+    import torch
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(30)
+    xs, dys = oracle.make_inputs(rng, [6], (4, 3), 3)
+    outs = []
+    for cls in (keras.layers.BatchNormalization, SyncBatchNormalization):
+        layer = cls(momentum=0.5)
+        layer.build((None, 4, 3))
+        x = torch.tensor(xs[0], requires_grad=True)
+        y = layer(x, training=True)
+        (y * torch.tensor(dys[0])).sum().backward()
+        outs.append((y.detach().numpy(), x.grad.numpy(), layer.moving_variance.numpy()))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+    x = (rng.standard_normal((256, 16, 4)) + 1000.0).astype(np.float32)
+    reference = x.astype(np.float64).reshape(-1, 4).var(0)
+    errors = {}
+    for name, cls in (("syncbn", SyncBatchNormalization), ("keras", keras.layers.BatchNormalization)):
+        layer = cls(momentum=0.0)
+        layer(torch.tensor(x), training=True)
+        errors[name] = oracle.variance_relative_error(layer.moving_variance.numpy(), reference)
+    assert errors["syncbn"] <= 1e-5, errors
+    info["local_variance_relative_error_at_ratio_1e3"] = errors
+
+
+def check_second_order(info, rank, calls):
+    """A gradient penalty (backward with create_graph=True) raises a RuntimeError that
+    names the problem on both ranks, after the forward all-reduce and before any
+    backward one (so neither waits); a plain backward afterwards still works and
+    issues its one all-reduce. The training step reads nothing on the host."""
+    import torch
+
+    from syncbn.keras import SyncBatchNormalization
+
+    layer = SyncBatchNormalization()
+    layer.build((None, 3))
+    reads = []
+    item = torch.Tensor.item
+
+    def counting_item(self):
+        reads.append(self.numel())
+        return item(self)
+
+    torch.Tensor.item = counting_item
+    results = {}
+    try:
+        x = torch.arange(1.0, 13.0).reshape(4, 3).mul(rank + 1).requires_grad_()
+        calls.clear()
+        y = layer(x, training=True)
+        try:
+            (g,) = torch.autograd.grad((y ** 3).sum(), x, create_graph=True)
+            results["create_graph"] = "no error"
+        except RuntimeError as err:
+            results["create_graph"] = str(err)
+        results["create_graph_all_reduce"] = list(calls)
+        calls.clear()
+        (layer(x, training=True) ** 3).sum().backward()
+        results["plain"] = {"all_reduce": list(calls), "finite": bool(torch.isfinite(x.grad).all())}
+        results["host_reads"] = len(reads)
+    finally:
+        torch.Tensor.item = item
+    info["second_order"] = results
+
+
+def check_mismatch(info, rank):
+    """Rank 1 calls two layers of one width in the other order: both ranks raise
+    LayerMismatchError at the first call, naming both layers, no moving mean moved."""
+    import torch
+
+    from syncbn.keras import SyncBatchNormalization
+    from syncbn.core.fingerprint import LayerMismatchError
+
+    layers = {name: SyncBatchNormalization(name=name) for name in ("first", "second")}
+    for layer in layers.values():
+        layer.build((None, 3))
+    x = torch.arange(1.0, 13.0).reshape(4, 3)
+    try:
+        for name in (("first", "second") if rank == 0 else ("second", "first")):
+            x = layers[name](x, training=True)
+        outcome = "no error"
+    except LayerMismatchError as err:
+        outcome = str(err)
+    moved = [bool(np.any(layer.moving_mean.numpy() != 0)) for layer in layers.values()]
+    info["mismatch"] = {"error": outcome, "moved": moved}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ["KERAS_BACKEND"] = "torch"
+    import torch
+    import torch.distributed as dist
+
+    import syncbn.torch.distributed
+    from syncbn.keras import SyncBatchNormalization
+
+    out = Path(args.out)
+    info = {}
+    check_local(info)
+
+    dist.init_process_group("gloo", rank=args.rank, world_size=2)
+    calls = []
+    original = syncbn.torch.distributed.all_reduce_sum
+
+    def counting(tensor, group=None):
+        calls.append(tensor.numel())
+        return original(tensor, group)
+
+    syncbn.torch.distributed.all_reduce_sum = counting
+    try:
+        for case, (sizes, tail, axis, masked, kwargs) in CASES.items():
+            rng = np.random.default_rng(sum(map(ord, case)))  # the same draws on both ranks
+            full = (None,) + tail
+            channels = full[axis]
+            xs, dys = oracle.make_inputs(rng, sizes, tail, channels, axis)
+            masks = oracle.make_masks(rng, xs) if masked else None
+            if masked == "rank 1 none":
+                masks[1][:] = False
+            elif masked == "all none":
+                masks = [np.zeros_like(m) for m in masks]
+            layer = SyncBatchNormalization(axis=axis, momentum=0.9, **kwargs)
+            layer.build(full)
+            layer.set_weights([rng.uniform(0.5, 2.0, channels).astype(np.float32)
+                               if w.path.endswith(("gamma", "variance", "stddev"))
+                               else rng.uniform(-1, 1, channels).astype(np.float32) for w in layer.weights])
+            initial = weights_by_name(layer)
+            me = args.rank
+            x = torch.tensor(xs[me], requires_grad=True)
+            mask = None if masks is None else torch.tensor(masks[me])
+            calls.clear()
+            y = layer(x, training=True, mask=mask)
+            forward_calls = list(calls)
+            (y * torch.tensor(dys[me])).sum().backward()
+            info[f"{case}_all_reduce_calls"] = {"forward": forward_calls, "backward": calls[len(forward_calls):]}
+            final = weights_by_name(layer)
+            np.savez(
+                out / f"{case}-{me}.npz", x=xs[me], dy=dys[me], mask=np.array([]) if masks is None else masks[me],
+                y=y.detach().numpy(), dx=x.grad.numpy(), dgamma=layer.gamma.value.grad.numpy(),
+                dbeta=layer.beta.value.grad.numpy(),
+                **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in final.items()},
+            )
+        check_second_order(info, args.rank, calls)
+        check_mismatch(info, args.rank)
+    finally:
+        syncbn.torch.distributed.all_reduce_sum = original
+        dist.destroy_process_group()
+    (out / f"info-{args.rank}.json").write_text(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()

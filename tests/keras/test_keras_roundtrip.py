@@ -1,0 +1,29 @@
+"""``syncbn.keras`` without distribution, on the TensorFlow and JAX backends: a frozen
+layer uses its moving statistics, and ``convert`` keeps every config field and weight.
+The checks run in one worker process per backend (``keras_roundtrip_checks.py``, torch
+blocked); each test below asserts one of them."""
+
+import importlib.util
+import json
+
+import pytest
+
+import keras_harness as harness
+from keras_roundtrip_checks import CHECKS
+
+TIMEOUT = 240
+BACKENDS = [b for b in ("tensorflow", "jax") if importlib.util.find_spec(b) is not None]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def results(request):
+    env = harness.worker_env(request.param, JAX_PLATFORMS="cpu")
+    return harness.run_suite("keras/keras_roundtrip_checks.py", list(CHECKS), env, TIMEOUT)
+
+
+@pytest.mark.skipif(not BACKENDS, reason="needs tensorflow or jax")
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_keras_without_distribution(results, name):
+    info = harness.assert_check(*results, name)
+    if info:
+        print(f"{name}: {json.dumps(info, default=float)}")

@@ -1,0 +1,96 @@
+"""``SyncBatchNormalization`` on the Keras PyTorch backend: two gloo processes on
+127.0.0.1 against the float64 oracle, and plain BN when not distributed."""
+
+import importlib.util
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import keras_harness as harness
+import keras_oracle as oracle
+from keras_torch_worker import CASES
+
+from syncbn.core.fingerprint import SIZE as FINGERPRINT
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def run():
+    with tempfile.TemporaryDirectory() as tmp:
+        port, = harness.free_ports(1)
+        procs = []
+        for rank in range(2):
+            env = harness.worker_env("torch", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, RANK=rank)
+            procs.append(harness.start("keras/keras_torch_worker.py", ["--rank", rank, "--out", tmp], env))
+        outputs = harness.finish(procs, TIMEOUT)
+        for code, output in outputs:
+            assert code == 0, f"worker exited with {code}:\n{output[-6000:]}"
+        yield Path(tmp)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_oracle(run, case):
+    sizes, tail, axis, masked, kwargs = CASES[case]
+    parts = [dict(np.load(run / f"{case}-{r}.npz")) for r in range(2)]
+    w = {k[len("initial_"):]: v for k, v in parts[0].items() if k.startswith("initial_")}
+    renorm = None
+    if kwargs.get("renorm"):
+        renorm = dict(renorm_mean=w["renorm_mean"], renorm_std=w["renorm_stddev"], moving_std=w["moving_stddev"],
+                      renorm_momentum=kwargs["renorm_momentum"], **kwargs["renorm_clipping"])
+    ref = oracle.batch_norm(
+        [p["x"] for p in parts], [p["dy"] for p in parts], axis=axis, gamma=w["gamma"], beta=w["beta"],
+        momentum=0.9, moving_mean=w["moving_mean"], moving_var=w["moving_variance"],
+        masks=[p["mask"] for p in parts] if masked else None, renorm=renorm,
+    )
+    for r, part in enumerate(parts):
+        np.testing.assert_allclose(part["y"], ref["y"][r], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(part["dx"], ref["dx"][r], rtol=2e-5, atol=2e-5)
+        for key, name in (("moving_mean", "moving_mean"), ("moving_var", "moving_variance"),
+                          ("renorm_mean", "renorm_mean"), ("renorm_std", "renorm_stddev")):
+            if key in ref:
+                np.testing.assert_allclose(part[f"final_{name}"], ref[key], rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(parts[0]["dgamma"] + parts[1]["dgamma"], ref["dgamma"], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(parts[0]["dbeta"] + parts[1]["dbeta"], ref["dbeta"], rtol=2e-5, atol=2e-5)
+
+
+def test_one_all_reduce_each_way_and_local_numerics(run):
+    """One all-reduce forward (2C + 1 values; 3C when a mask gives each channel its own
+    count, channels not last) and one backward (2C values), each with the 18-value
+    layer fingerprint."""
+    for rank in range(2):
+        info = json.loads((run / f"info-{rank}.json").read_text())
+        for case, (sizes, tail, axis, masked, _kwargs) in CASES.items():
+            channels = ((None,) + tail)[axis]
+            forward = 3 * channels if masked and axis != -1 else 2 * channels + 1
+            assert info[f"{case}_all_reduce_calls"] == {"forward": [forward + FINGERPRINT],
+                                                         "backward": [2 * channels + FINGERPRINT]}, case
+        print(f"rank {rank}:", json.dumps(info))
+
+
+def test_second_order_gradients_raise_on_both_ranks(run):
+    """create_graph=True through the synchronized layer raises a clear RuntimeError on
+    every rank (the cross-rank sums are not differentiable), never a silently wrong
+    second-order gradient; plain backward still works, and nothing is read on the host."""
+    for rank in range(2):
+        result = json.loads((run / f"info-{rank}.json").read_text())["second_order"]
+        assert "higher-order gradients" in result["create_graph"] and "create_graph=True" in result["create_graph"], \
+            result
+        assert result["create_graph_all_reduce"] == [7 + FINGERPRINT], result
+        assert result["plain"] == {"all_reduce": [7 + FINGERPRINT, 6 + FINGERPRINT], "finite": True}, result
+        assert result["host_reads"] == 0, result
+
+
+def test_swapped_layers_raise_on_both_ranks(run):
+    """The layer fingerprint on the torch backend: two layers of one width called in the
+    other order on rank 1 raise the same LayerMismatchError on both ranks."""
+    for rank in range(2):
+        result = json.loads((run / f"info-{rank}.json").read_text())["mismatch"]
+        assert "rank 0 called layer 'first' (3 features), call 0 of the step" in result["error"], result
+        assert "rank 1 called layer 'second' (3 features), call 0 of the step" in result["error"], result
+        assert result["moved"] == [False, False], result

@@ -1,0 +1,512 @@
+"""convert_sync_batchnorm / revert_sync_batchnorm on a torchvision-like model built here."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import syncbn
+from verify_models import BasicBlock  # the same torchvision-style block the verify tests use
+from torch_compat import torch_batchnorm
+
+
+def tiny_resnet():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        BasicBlock(8, 8),
+        BasicBlock(8, 16, stride=2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.BatchNorm1d(16, affine=False),
+        nn.Linear(16, 5),
+    )
+
+
+def _randomize_buffers(model):
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                if m.affine:
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.5, 0.5)
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+
+
+def test_round_trip_keeps_outputs_and_state():
+    model = tiny_resnet()
+    _randomize_buffers(model)
+    x = torch.randn(4, 3, 8, 8) + 1
+    model.eval()
+    ref_eval = model(x)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    params_before = {id(p) for p in model.parameters()}
+
+    converted = syncbn.convert_sync_batchnorm(model)
+    n_sync = sum(isinstance(m, syncbn.SyncBatchNorm) for m in converted.modules())
+    assert n_sync == 7
+    assert not any(type(m) in (nn.BatchNorm1d, nn.BatchNorm2d) for m in converted.modules())
+    assert {id(p) for p in converted.parameters()} == params_before  # optimizers stay valid
+    assert not converted.training
+    torch.testing.assert_close(converted(x), ref_eval, rtol=0, atol=0)
+    assert list(converted.state_dict()) == list(ref_state)
+
+    converted.train()
+    train_out = converted(x)
+    reference = tiny_resnet()
+    reference.load_state_dict(ref_state)
+    reference.train()
+    torch.testing.assert_close(train_out, reference(x), rtol=0, atol=0)
+
+    reverted = syncbn.revert_sync_batchnorm(converted)
+    kinds = [type(m) for m in reverted.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert kinds == [nn.BatchNorm2d] * 6 + [nn.BatchNorm1d]
+    reverted.eval()
+    reference.eval()
+    torch.testing.assert_close(reverted(x), reference(x), rtol=0, atol=0)
+    for (k1, v1), (k2, v2) in zip(reverted.state_dict().items(), reference.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+
+
+def test_keeps_flags_dtype_and_missing_bias():
+    model = nn.Sequential(torch_batchnorm(nn.BatchNorm2d, 4, bias=False), nn.BatchNorm3d(2, track_running_stats=False))
+    model = model.double()
+    model[0].weight.requires_grad_(False)
+    model.eval()
+    model[1].train()
+    out = syncbn.convert_sync_batchnorm(model)
+    assert out[0].bias is None and not out[0].weight.requires_grad
+    assert out[0].weight.dtype == torch.float64 and out[0].running_mean.dtype == torch.float64
+    assert not out[0].training and out[1].training
+    assert out[1].running_mean is None and not out[1].track_running_stats
+    back = syncbn.revert_sync_batchnorm(out)
+    assert type(back[0]) is nn.BatchNorm2d and type(back[1]) is nn.BatchNorm3d
+    assert back[0].bias is None and list(back[0].state_dict()) == list(torch_batchnorm(nn.BatchNorm2d, 4, bias=False).state_dict())
+
+
+def test_top_level_and_torch_syncbn_are_converted():
+    bn = nn.BatchNorm1d(3)
+    assert isinstance(syncbn.convert_sync_batchnorm(bn), syncbn.SyncBatchNorm)
+    torch_sync = nn.SyncBatchNorm(3, momentum=0.3, eps=1e-3)
+    ours = syncbn.convert_sync_batchnorm(torch_sync)
+    assert isinstance(ours, syncbn.SyncBatchNorm) and ours.momentum == 0.3 and ours.eps == 1e-3
+    assert type(syncbn.revert_sync_batchnorm(ours)) is nn.BatchNorm2d
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """Like timm's BatchNormAct2d: BN followed by an activation in the same module."""
+
+    def forward(self, x):
+        return F.relu(super().forward(x))
+
+
+class PlainSubclass(nn.BatchNorm2d):
+    pass
+
+
+def test_subclass_overriding_forward_is_left_with_a_warning():
+    model = nn.Sequential(BatchNormAct(4), PlainSubclass(4), BatchNormAct(4), nn.BatchNorm1d(4))
+    with pytest.warns(UserWarning, match=r"left 2 of 4 BatchNorm layers local .*2 x test_convert\.BatchNormAct "):
+        out = syncbn.convert_sync_batchnorm(model)
+    assert type(out[0]) is BatchNormAct and type(out[2]) is BatchNormAct
+    assert isinstance(out[1], syncbn.SyncBatchNorm)
+    assert type(syncbn.revert_sync_batchnorm(out)[1]) is nn.BatchNorm2d
+
+
+def test_strict_raises_before_changing_anything():
+    model = nn.Sequential(nn.BatchNorm2d(4), BatchNormAct(4))
+    with pytest.raises(ValueError, match=r"left 1 of 2 BatchNorm layers local"):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+    assert type(model[0]) is nn.BatchNorm2d  # untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), strict=True)
+    assert isinstance(out[0], syncbn.SyncBatchNorm)
+
+
+class SyncBatchNormRelu(syncbn.SyncBatchNorm):
+    def forward(self, x):
+        return F.relu(super().forward(x))
+
+
+def test_registered_conversion_round_trip():
+    from syncbn.torch.convert import _CONVERSIONS, _move_state
+
+    def to_sync(layer, group):
+        new = SyncBatchNormRelu(layer.num_features, process_group=group, device="meta")
+        return _move_state(layer, new)
+
+    def to_plain(layer):
+        return _move_state(layer, BatchNormAct(layer.num_features, device="meta"))
+
+    syncbn.register_conversion(BatchNormAct, to_sync, to_plain)
+    try:
+        model = nn.Sequential(BatchNormAct(3), nn.Sequential(BatchNormAct(3)), PlainSubclass(3))
+        _randomize_buffers(model)
+        x = torch.randn(4, 3, 2, 2)
+        expected = model.eval()(x)
+        params = [id(p) for p in model.parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = syncbn.convert_sync_batchnorm(model, strict=True)
+        assert [type(m) for m in (out[0], out[1][0], out[2])] == [SyncBatchNormRelu, SyncBatchNormRelu, syncbn.SyncBatchNorm]
+        assert out[0]._syncbn_origin is BatchNormAct
+        torch.testing.assert_close(out(x), expected, rtol=0, atol=0)
+        back = syncbn.revert_sync_batchnorm(out)
+        assert [type(m) for m in (back[0], back[1][0], back[2])] == [BatchNormAct, BatchNormAct, nn.BatchNorm2d]
+        assert [id(p) for p in back.parameters()] == params
+        torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+    finally:
+        del _CONVERSIONS[BatchNormAct]
+    with pytest.raises(TypeError):
+        syncbn.register_conversion(object, to_sync, to_plain)
+    with pytest.raises(TypeError):
+        syncbn.register_conversion(BatchNormAct, to_sync, None)
+
+
+def test_revert_keeps_an_unregistered_subclass_that_overrides_forward():
+    layer = nn.Sequential(SyncBatchNormRelu(3))
+    assert type(syncbn.revert_sync_batchnorm(layer)[0]) is SyncBatchNormRelu
+
+
+def test_uninitialized_lazy_batchnorm_is_left_with_a_warning():
+    model = nn.Sequential(nn.LazyBatchNorm2d())
+    with pytest.warns(UserWarning, match="lazy"):
+        syncbn.convert_sync_batchnorm(model)
+    model(torch.randn(2, 3, 4, 4))  # initialized: it is a BatchNorm2d now
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = syncbn.convert_sync_batchnorm(model)
+    assert isinstance(out[0], syncbn.SyncBatchNorm)
+
+
+def test_process_group_is_set():
+    marker = object()
+    out = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(2)), process_group=marker)
+    assert out[0].process_group is marker
+
+
+# ---- issue 13: fusion and conversion that never change what the model computes ----------
+# Each model is compared, in training and eval mode, forward and backward, with a float64
+# copy of itself left unfused (plain BatchNorm + activation).
+
+
+def _seeded(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    return model
+
+
+def _outputs(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _outputs(o)]
+
+
+def _same_as_unfused(model, ref64, make_input, steps=2, seed=1):
+    """``model`` (maybe fused, float32) and ``ref64`` (its unfused float64 copy) agree on
+    every output, the input gradient and every parameter gradient, train and eval."""
+    for training in (True, False, True):
+        model.train(training)
+        ref64.train(training)
+        for step in range(steps):
+            x0 = make_input(seed + step)
+            xs = [x0.clone().requires_grad_(), x0.double().requires_grad_()]
+            outs = []
+            for m, x in zip((model, ref64), xs):
+                torch.manual_seed(seed + step)  # the same dropout masks
+                outs.append(_outputs(m(x)))
+                sum((o.double() * torch.linspace(-1, 1, o.numel(), dtype=torch.float64).view_as(o)).sum()
+                    for o in outs[-1]).backward()
+            for a, b in zip(*outs):
+                torch.testing.assert_close(a.detach().double(), b.detach(), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(xs[0].grad.double(), xs[1].grad, rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref64.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-4, msg=name)
+    for (name, b), c in zip(model.named_buffers(), ref64.buffers()):
+        torch.testing.assert_close(b.double(), c.double(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _image(seed):
+    return torch.randn(3, 4, 5, 5, generator=torch.Generator().manual_seed(seed)) + 0.5
+
+
+def _stem():
+    return nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1), nn.Conv2d(4, 4, 1))
+
+
+def _fuse_expecting(model, skipped, ref=None):
+    """Fuse; every name in ``skipped`` must be in the warning, with its reason. Returns
+    the unfused float64 reference (a copy of ``model`` unless given)."""
+    ref = copy.deepcopy(model).double() if ref is None else ref
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        syncbn.fuse_batchnorm_act(model)
+    text = " ".join(str(w.message) for w in caught)
+    for name, reason in skipped.items():
+        assert (name is None or f"{name} (" in text) and reason in text, text
+    if not skipped:
+        assert not caught, text
+    return ref
+
+
+def _fused_names(model):
+    return sorted(n for n, m in model.named_modules() if isinstance(m, syncbn.SyncBatchNormAct))
+
+
+@pytest.mark.parametrize("state", ["pruned", "parametrized", "forward_hook", "pre_hook", "state_dict_hook",
+                                   "activation_hook"])
+def test_group5_fusion_and_conversion_keep_per_module_state(state):
+    """Group 5: a pruned or parametrized weight and module hooks are never dropped: the
+    batch norm is left unfused (and unconverted), with a warning naming it."""
+    from torch.nn.utils import parametrize, prune
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return w * 0.5
+
+    def build():
+        torch.manual_seed(5)
+        model = _seeded(_stem())
+        bn, act = model[1], model[2]
+        if state == "pruned":
+            prune.l1_unstructured(bn, "weight", amount=2)
+        elif state == "parametrized":
+            parametrize.register_parametrization(bn, "weight", Scale())
+        elif state == "forward_hook":
+            bn.register_forward_hook(lambda m, i, o: o * 2)
+        elif state == "pre_hook":
+            bn.register_forward_pre_hook(lambda m, i: (i[0] + 1,))
+        elif state == "state_dict_hook":
+            bn._register_state_dict_hook(lambda m, sd, prefix, local: sd)
+        else:
+            act.register_forward_hook(lambda m, i, o: o - 1)
+        return model
+
+    model = build()
+    reason = {"pruned": "pruned", "parametrized": "parametrized", "activation_hook": "its activation 2"}.get(state, "hooks")
+    ref = _fuse_expecting(model, {"1": reason}, ref=build().double())
+    assert _fused_names(model) == []
+    _same_as_unfused(model, ref, _image)
+    if state != "activation_hook":
+        converted = build()
+        with pytest.warns(UserWarning, match=rf"left 1 of 1 BatchNorm layers local .*\(1: .*{reason}"):
+            syncbn.convert_sync_batchnorm(converted)
+        assert type(converted[1]) is nn.BatchNorm2d or parametrize.is_parametrized(converted[1])
+        _same_as_unfused(converted, build().double(), _image)
+
+
+class _WalksChildren(nn.Module):
+    """Taps every child's output of a Sequential by walking it."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = _stem()
+
+    def forward(self, x):
+        taps = []
+        for m in self.stem:
+            x = m(x)
+            taps.append(x)
+        return x, taps[1]
+
+
+class _Slices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = _stem()
+
+    def forward(self, x):
+        pre = self.stem[:2](x)
+        return self.stem[2:](pre), pre.mean()
+
+
+class _AuxInTraining(nn.Module):
+    """Taps the batch norm's output in one mode only."""
+
+    def __init__(self, when_training=True):
+        super().__init__()
+        self.stem = _stem()
+        self.aux = nn.Conv2d(4, 2, 1)
+        self.when_training = when_training
+
+    def tapping(self):
+        return self.training == self.when_training
+
+    def forward(self, x):
+        h = self.stem[1](self.stem[0](x))
+        out = self.stem[3](self.stem[2](h))
+        if self.tapping():
+            return out, self.aux(h)
+        return out
+
+
+class _Keeps(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.stem = _stem()
+        self.how = how
+        self.kept = []
+
+    def forward(self, x):
+        h = self.stem[1](self.stem[0](x))
+        if self.how == "attribute":
+            self.last = h
+        else:
+            self.kept.append(h)
+        return self.stem[3](self.stem[2](h))
+
+
+@pytest.mark.parametrize("model_cls", [_WalksChildren, _Slices, lambda: _AuxInTraining(True),
+                                       lambda: _AuxInTraining(False)])
+def test_group6_fusion_refuses_a_batch_norm_output_read_elsewhere(model_cls):
+    """Group 6: a tap on the batch norm's output seen in either mode's trace keeps the pair unfused."""
+    model = _seeded(model_cls())
+    expected = {
+        _WalksChildren: {"stem.1": "also read by"},
+        _Slices: {None: "cannot trace _Slices"},  # fx cannot trace a slice of a Sequential
+        _AuxInTraining: {"stem.1": "also read by"},
+    }[type(model)]
+    ref = _fuse_expecting(model, expected)
+    assert _fused_names(model) == []
+    _same_as_unfused(model, ref, _image)
+
+
+@pytest.mark.parametrize("how", ["attribute", "list"])
+def test_group6_fusion_refuses_values_kept_outside_the_graph(how):
+    model = _seeded(_Keeps(how))
+    ref = _fuse_expecting(model, {"stem.1": "stores a traced value" if how == "attribute" else "mutable attribute"})
+    assert _fused_names(model) == []
+    _same_as_unfused(model, ref, _image)
+    kept = (lambda m: m.last) if how == "attribute" else (lambda m: m.kept[-1])  # noqa: E731
+    torch.testing.assert_close(kept(model).double(), kept(ref), rtol=1e-4, atol=1e-4)  # the pre-activation
+
+
+class _Flagged(_AuxInTraining):
+    """Taps the batch norm's output when a plain attribute says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.tap = False
+
+    def tapping(self):
+        return self.tap
+
+
+def test_group6_a_flag_flipped_after_fusion_raises():
+    """Group 6: a flag read while tracing is checked by the fused layer."""
+    model = _seeded(_Flagged())
+    ref = _fuse_expecting(model, {})
+    assert _fused_names(model) == ["stem.1"]
+    _same_as_unfused(model, ref, _image)
+    model.eval()  # (no buffer moves: the reference does not run these calls)
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(model)))  # the check goes with the copies
+    twin.tap = True
+    with pytest.raises(RuntimeError, match="_Flagged.tap was False"):
+        twin(_image(0))
+    model(_image(0))  # the original is untouched
+    model.tap = True
+    with pytest.raises(RuntimeError, match="_Flagged.tap was False when fuse_batchnorm_act traced"):
+        model(_image(0))
+    model.tap = False
+    model(_image(0))
+    back = syncbn.revert_sync_batchnorm(model)
+    back.tap = ref.tap = True
+    _same_as_unfused(back, ref, _image)
+
+
+class _ChangesOutput(nn.Module):
+    """Changes the activation's output in place: ``out += x``, or a method on a view."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.stem = _stem()
+        self.how = how
+
+    def forward(self, x):
+        out = self.stem[2](self.stem[1](self.stem[0](x)))
+        if self.how == "iadd":
+            out += x
+        else:
+            out.flatten(2).mul_(2)
+        return self.stem[3](out)
+
+
+class _DropoutAfterElu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ELU(0.7)
+        self.drop = nn.Dropout(0.3, inplace=True)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.drop(self.act(self.bn(self.conv(x)))))
+
+
+@pytest.mark.parametrize("model_cls,name", [(lambda: _ChangesOutput("iadd"), "stem.1"), (_DropoutAfterElu, "bn"),
+                                            (lambda: _ChangesOutput("view"), "stem.1")])
+def test_group7_in_place_ops_after_the_activation_keep_the_pair_unfused(model_cls, name):
+    """Group 7: ``out += x``, Dropout(inplace=True), an in-place method on a view: the
+    model runs as it did (the fused layer keeps its output for backward)."""
+    model = _seeded(model_cls())
+    ref = _fuse_expecting(model, {name: "changed in place"})
+    assert _fused_names(model) == []
+    _same_as_unfused(model, ref, _image)
+
+
+def test_group7_fused_model_eval_then_train_then_backward_and_in_place_only_over_conv_outputs():
+    """Group 7: a fused model runs eval, then train, then one backward through both; the
+    fused layer after a convolution writes over its output, the one on the model's input
+    never (its input may be numpy memory)."""
+    import numpy as np
+
+    model = _seeded(nn.Sequential(nn.BatchNorm2d(4), nn.LeakyReLU(0.2), *_stem()))
+    ref = _fuse_expecting(model, {})
+    assert _fused_names(model) == ["0", "3"] and not model[0].inplace and model[3].inplace
+    arr = _image(3).numpy()
+    before = arr.copy()
+    x = torch.from_numpy(arr)
+    model.eval()
+    y1 = model(x)
+    model.train()
+    y2 = model(x)
+    assert np.array_equal(arr, before)
+    w = torch.linspace(-1, 1, y1.numel()).view_as(y1)
+    ((y1 + y2) * w).sum().backward()
+    ref.eval()
+    r1 = ref(x.double())
+    (r1 * w.double()).sum().backward()
+    ref.train()
+    r2 = ref(x.double())
+    (r2 * w.double()).sum().backward()
+    torch.testing.assert_close(y1.double(), r1.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y2.double(), r2.detach(), rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_revert_keeps_a_pruned_synchronized_layer():
+    from torch.nn.utils import prune
+
+    model = syncbn.convert_sync_batchnorm(_seeded(_stem()))
+    prune.l1_unstructured(model[1], "weight", amount=2)
+    with pytest.warns(UserWarning, match="revert_sync_batchnorm left these layers as they are: 1 "):
+        back = syncbn.revert_sync_batchnorm(model)
+    assert isinstance(back[1], syncbn.SyncBatchNorm) and hasattr(back[1], "weight_mask")

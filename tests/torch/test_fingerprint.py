@@ -1,0 +1,265 @@
+"""Ranks in different synchronized layer calls: the same LayerMismatchError on every rank,
+before any running buffer moves, with no extra collective (see syncbn.torch.fingerprint)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import syncbn
+from syncbn.torch import fingerprint
+from syncbn.tools.traffic import record_collectives
+from workers import group_of, in_group
+
+
+# ---- the check itself, without processes ----------------------------------------------
+
+
+def test_digits_round_trip():
+    for tag in (fingerprint.Tag(0, 0), fingerprint.Tag(0xFFFFFF, 0xFFF), fingerprint.Tag(0x123456, 0x789)):
+        digits = fingerprint._digits(tag)
+        assert len(digits) == fingerprint.DIGITS and all(0 <= d <= 15 for d in digits)
+        assert fingerprint._undigits(digits) == tag
+
+
+def summed(tags, dtype):
+    """What the all-reduce would give: the sum of every rank's fingerprint."""
+    return sum(fingerprint.fixed_values(t, dtype, torch.device("cpu")).double() for t in tags).to(dtype)
+
+
+def verdicts(tags, dtype):
+    """Each rank's verdict (rank r sent ``tags[r]``) on the summed fingerprints."""
+    sums = summed(tags, dtype)
+    return [bool(fingerprint._agree(sums, t, len(tags))) for t in tags]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sums_agree_exactly_when_every_rank_sent_the_same_tag(dtype):
+    """Every rank reaches the same verdict: true when all sent one tag, false on every rank
+    when one differs (also where a plain sum of the digits would match one rank's)."""
+    a, b = fingerprint.Tag(0xABCDEF, 7), fingerprint.Tag(0xABCDEF, 8)
+    for world in (2, 3, 7):
+        assert verdicts([a] * world, dtype) == [True] * world
+        assert verdicts([a] * (world - 1) + [b], dtype) == [False] * world
+    # one digit apart by one; digits 1, 2, 3 whose sum is 3 times the middle rank's
+    c, d = fingerprint.Tag(1, 0), fingerprint.Tag(2, 0)
+    assert verdicts([c, d], dtype) == [False, False]
+    assert verdicts([c, d, fingerprint.Tag(3, 0)], dtype) == [False] * 3
+    assert verdicts([c, c, d, fingerprint.Tag(0, 0)], dtype) == [False] * 4
+
+
+def test_float32_sums_stay_exact_up_to_the_largest_world():
+    """Every digit 15 on MAX_WORLD ranks: sum d^2 = MAX_WORLD * 225 <= 2^24, exact in
+    float32, and the check still separates a single rank one digit off, on both sides."""
+    world = fingerprint.MAX_WORLD
+    big, small = fingerprint.Tag(0xFFFFFF, 0xFFF), fingerprint.Tag(0xFFFFFE, 0xFFF)
+    full = fingerprint.fixed_values(big, torch.float32, torch.device("cpu"))
+    off = fingerprint.fixed_values(small, torch.float32, torch.device("cpu"))
+    same = full * world
+    assert bool(fingerprint._agree(same, big, world))
+    assert not bool(fingerprint._agree(same - full + off, big, world))
+    assert not bool(fingerprint._agree(same - full + off, small, world))
+
+
+# ---- on the worker pool ---------------------------------------------------------------
+
+
+def three_layers(cls=None, channels=(8, 8, 8)):
+    torch.manual_seed(0)
+    if cls == "act":  # built with syncbn's layers directly: name_layers gives the names
+        model = nn.Sequential(*[syncbn.SyncBatchNormAct(c) for c in channels])
+        syncbn.name_layers(model)
+        return model
+    return syncbn.convert_sync_batchnorm(nn.Sequential(*[nn.BatchNorm2d(c) for c in channels]))
+
+
+def buffers(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def order_job(world, orders, kind, immediate=True, forced=False, poison=False):
+    """Each rank calls the layers of a converted 3-layer model in ``orders[rank]``, then
+    backward; returns what happened: the error (type, message) or the outputs, and
+    whether the buffers moved. ``forced``: on the CUDA path (syncbn.torch.stats); ``poison``:
+    one NaN in the input, so every statistic of the step is NaN."""
+    import contextlib
+
+    from syncbn.torch import stats
+
+    group = group_of(world)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
+    if not in_group(world):
+        return None
+    saved = set(fingerprint.IMMEDIATE_DEVICES)
+    if not immediate:  # the CUDA way on the CPU: verdicts stay pending until checked
+        fingerprint.IMMEDIATE_DEVICES.clear()
+    try:
+        model = three_layers(kind)
+        for m in model.modules():
+            if hasattr(m, "process_group"):
+                m.process_group = group
+        before = buffers(model)
+        rank = dist.get_rank()
+        x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank)) + 2
+        if poison:
+            x[0, :, 0, 0] = float("nan")
+        x.requires_grad_()
+        out = {"phase": "forward"}
+        with record_collectives() as calls, stats._forced_cuda_path() if forced else contextlib.nullcontext():
+            try:
+                y = x
+                for i in orders[rank]:
+                    y = model[i](y)
+                out["phase"] = "backward"
+                # a random dy: with dy = 1 the exact input gradient of batch norm is zero
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(7 + rank)))
+                out["result"] = "ok"
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out["result"] = (type(exc).__name__, str(exc))
+        out["collectives"] = [c.op for c in calls]
+        after = buffers(model)
+        out["moved"] = sorted(k for k in before if not torch.equal(before[k], after[k]) and "num_batches" not in k)
+        out["grad"] = None if x.grad is None else bool(x.grad.abs().sum() > 0)
+        return out
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.update(saved)
+        fingerprint.reset()
+
+
+def assert_same_error_everywhere(results, phase, moved=()):
+    for r in results:
+        assert r["result"] != "ok", r
+        name, message = r["result"]
+        assert name == "LayerMismatchError", message
+        assert r["phase"] == phase and f"({phase})" in message
+        # no statistics of the disagreeing call reach the buffers (earlier, agreeing calls did)
+        assert r["moved"] == sorted(moved)
+
+
+@pytest.mark.parametrize("kind", [None, "act"])
+def test_swapped_layers_raise_on_both_ranks_naming_both(pool, kind):
+    results = pool.run(order_job, 2, [[0, 1, 2], [1, 0, 2]], kind)[:2]
+    assert_same_error_everywhere(results, "forward")
+    # W = 2: each rank names its own layer and the other's, so the messages are the same
+    assert results[0]["result"] == results[1]["result"]
+    message = results[0]["result"][1]
+    assert "rank 0 called layer '0' (8 features), call 0" in message
+    assert "rank 1 called layer '1' (8 features), call 0" in message
+    assert all(r["collectives"] == ["all_reduce"] for r in results)  # the first call raised
+
+
+def test_skipped_layer_of_the_same_width_raises_on_every_rank(pool):
+    results = pool.run(order_job, 3, [[0, 1, 2], [0, 2], [0, 1, 2]], None)[:3]
+    assert_same_error_everywhere(results, "forward", ["0.running_mean", "0.running_var"])
+    assert "rank 1 (this rank) called layer '2' (8 features), call 1" in results[1]["result"][1]
+    assert "rank 0 (this rank) called layer '1' (8 features), call 1" in results[0]["result"][1]
+
+
+def test_agreeing_ranks_still_train(pool):
+    results = pool.run(order_job, 2, [[2, 0, 1], [2, 0, 1]], None)[:2]
+    for r in results:
+        assert r["result"] == "ok" and r["grad"] is True
+        assert r["collectives"] == ["all_reduce"] * 6
+        assert len(r["moved"]) == 6  # both buffers of the three layers
+
+
+def test_pending_verdict_raises_at_the_end_of_backward_and_gates_the_buffers(pool):
+    """The way CUDA checks (no host read per layer): the mismatch of the first forward
+    call is found when the backward pass ends, on every rank, and the buffers of the
+    disagreeing calls did not move (the later, agreeing call of layer 2 did)."""
+    results = pool.run(order_job, 2, [[0, 1, 2], [1, 0, 2]], None, False)[:2]
+    for r in results:
+        assert r["phase"] == "backward"
+        name, message = r["result"]
+        assert name == "LayerMismatchError" and "(forward)" in message
+        assert r["moved"] == ["2.running_mean", "2.running_var"]
+    assert results[0]["result"] == results[1]["result"]
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_cuda_path_raises_at_the_end_of_backward_and_keeps_the_buffers(pool, poison):
+    """The CUDA path (forced on the CPU): the verdicts stay on the device and are read once
+    when the backward pass ends; the buffers of the disagreeing calls keep their values bit
+    for bit, also when the statistics are NaN (a lerp by 0 would write NaN), while the
+    later, agreeing call of layer 2 moves its buffers."""
+    results = pool.run(order_job, 2, [[0, 1, 2], [1, 0, 2]], None, True, True, poison)[:2]
+    for r in results:
+        assert r["phase"] == "backward"
+        name, message = r["result"]
+        assert name == "LayerMismatchError" and "(forward)" in message
+        assert r["moved"] == ["2.running_mean", "2.running_var"]
+        assert r["collectives"] == ["all_reduce"] * 6
+    assert results[0]["result"] == results[1]["result"]
+    ok = pool.run(order_job, 2, [[2, 0, 1], [2, 0, 1]], None, True, True, poison)[:2]
+    assert all(r["result"] == "ok" and len(r["moved"]) == 6 for r in ok)
+
+
+def backward_order_job(immediate=True):
+    """Both ranks run the same forward (two layers on two branches) but run the two
+    backward passes in the opposite order."""
+    group = group_of(2)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
+    if not in_group(2):
+        return None
+    saved = set(fingerprint.IMMEDIATE_DEVICES)
+    if not immediate:
+        fingerprint.IMMEDIATE_DEVICES.clear()
+    try:
+        model = three_layers()
+        for m in model.modules():
+            if hasattr(m, "process_group"):
+                m.process_group = group
+        rank = dist.get_rank()
+        x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        outs = [model[0](x), model[1](x)]
+        first, second = (0, 1) if rank == 0 else (1, 0)
+        try:
+            outs[first].backward(torch.ones_like(outs[first]))
+            outs[second].backward(torch.ones_like(outs[second]))
+            return "ok"
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.update(saved)
+        fingerprint.reset()
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_backward_in_another_order_raises_on_both_ranks(pool, immediate):
+    results = pool.run(backward_order_job, immediate)[:2]
+    assert results[0] == results[1]
+    name, message = results[0]
+    assert name == "LayerMismatchError" and "(backward)" in message
+    assert "rank 0 called layer '0'" in message and "rank 1 called layer '1'" in message
+
+
+def functional_job():
+    """The functional form, one name and width throughout: rank 1 ends a step (a backward
+    pass with no input gradient, so no collective) that rank 0 does not, so their next
+    calls differ in the call index alone."""
+    group = group_of(2)
+    fingerprint.reset()  # on every rank: the call counts of all groups start from 0 everywhere alike
+    if not in_group(2):
+        return None
+    try:
+        rank = dist.get_rank()
+        x = torch.randn(4, 5, 3)
+        w = torch.ones(5, requires_grad=True)
+        y = syncbn.functional.sync_batch_norm(x, None, None, w, training=True, process_group=group, name="head")
+        if rank == 1:
+            y.sum().backward()
+        try:
+            syncbn.functional.sync_batch_norm(x, None, None, w, training=True, process_group=group, name="head")
+            return "ok"
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+    finally:
+        fingerprint.reset()
+
+
+def test_functional_form_checks_the_call_index(pool):
+    results = pool.run(functional_job, timeout=120)[:2]
+    name, message = results[0]
+    assert results[0] == results[1] and name == "LayerMismatchError"
+    assert "rank 0 called layer 'head' (5 features), call 1 of the step" in message
+    assert "rank 1 called layer 'head' (5 features), call 0 of the step" in message

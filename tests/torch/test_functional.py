@@ -1,0 +1,230 @@
+"""syncbn.torch.functional.sync_batch_norm: the function form, and errors that every rank agrees on."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from syncbn.torch.functional import sync_batch_norm
+from workers import group_of, in_group
+
+
+def functional_job(world, sizes):
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, 4, 3, generator=gen, dtype=torch.float64) * 3 - 2 for n in sizes]
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    w = torch.linspace(0.5, 2, 4, dtype=torch.float64)
+    y = sync_batch_norm(xs[rank], rm, rv, w, None, True, 0.3, 1e-3, group)
+    return {"y": y, "rm": rm, "rv": rv, "xs": xs}
+
+
+def test_functional_matches_batch_norm_on_concatenation(pool):
+    sizes = (3, 0, 2, 5)
+    results = pool.run(functional_job, 4, sizes)
+    xs = results[0]["xs"]
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    w = torch.linspace(0.5, 2, 4, dtype=torch.float64)
+    ref = F.batch_norm(torch.cat(xs), rm, rv, w, None, True, 0.3, 1e-3)
+    # float64: defaults rtol = atol = 1e-7, far above ~n * 2^-53 * |mean|/std ~1e-15
+    torch.testing.assert_close(torch.cat([r["y"] for r in results]), ref)
+    for r in results:
+        torch.testing.assert_close(r["rm"], rm)
+        torch.testing.assert_close(r["rv"], rv)
+
+
+def test_not_training_is_plain_batch_norm():
+    x = torch.randn(5, 3, 2) + 1
+    rm, rv = torch.randn(3), torch.rand(3) + 0.5
+    # not training: the same call of F.batch_norm on both sides, so equal on any CPU
+    torch.testing.assert_close(sync_batch_norm(x, rm, rv, training=False), F.batch_norm(x, rm, rv))
+
+
+def error_job(world, sizes, tail):
+    """Run a layer whose global element count may be too small; report what each rank saw."""
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    import syncbn
+
+    bn = syncbn.SyncBatchNorm(3, process_group=group)
+    x = torch.randn((sizes[dist.get_rank()], 3) + tuple(tail))
+    try:
+        bn(x)
+    except ValueError as exc:
+        return ("ValueError", str(exc))
+    # the pool must still be usable afterwards: one more collective in the same group
+    return ("ok", None)
+
+
+@pytest.mark.parametrize("sizes", [(1, 0, 0, 0), (0, 0, 0, 0), (0, 1), (1,)])
+def test_too_few_values_raise_on_every_rank(pool, sizes):
+    world = len(sizes)
+    results = pool.run(error_job, world, sizes, ())[:world]
+    for kind, message in results:
+        assert kind == "ValueError" and "more than 1 value per channel" in message
+
+
+def test_enough_values_split_thinly_do_not_raise(pool):
+    results = pool.run(error_job, 4, (1, 0, 1, 0), ())
+    assert [r[0] for r in results] == ["ok"] * 4
+
+
+def test_bad_dims_raise_before_any_collective(pool):
+    """Every rank raises the same shape error, so no rank is left inside a collective."""
+    results = pool.run(error_job, 4, (2, 2, 2, 2), (1, 1, 1, 1))
+    for kind, message in results:
+        assert kind == "ValueError" and "2D to 5D" in message
+    # and the group still works
+    assert [r[0] for r in pool.run(error_job, 4, (2, 2, 2, 2), (2,))] == ["ok"] * 4
+
+
+# ---- the CUDA path, run on the CPU with its device-dependent choices forced ------------
+
+
+def cuda_path_job(world, layout, sizes, dtype, ratio, forced, tail=(6, 7), layer_dtype=None):
+    """One training step of SyncBatchNorm(5). ``forced``: the CUDA path on this rank (a
+    bool), or each rank's path, a tuple of "cuda" (forced), "cpu" and "portable" (the
+    path that torch.compile traces and other devices take)."""
+    from syncbn.torch import fingerprint
+
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    import syncbn
+
+    rank = dist.get_rank()
+    path = forced[rank] if isinstance(forced, tuple) else ("cuda" if forced else "cpu")
+    if path == "portable":
+        fingerprint.IMMEDIATE_DEVICES.discard("cpu")
+    try:
+        return _cuda_path_step(group, rank, layout, sizes, dtype, ratio, path == "cuda", tail, layer_dtype)
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.add("cpu")
+
+
+def _cuda_path_step(group, rank, layout, sizes, dtype, ratio, forced, tail, layer_dtype=None):
+    import contextlib
+
+    import syncbn
+    from syncbn.torch import stats
+
+    gen = torch.Generator().manual_seed(3 + rank)
+    x = (torch.randn(sizes[rank], 5, *tail, generator=gen, dtype=torch.float64) * 2 + 2 * ratio).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype)
+    layer = syncbn.SyncBatchNorm(5, momentum=1.0, process_group=group).to(layer_dtype or dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 2, 5))
+        layer.bias.copy_(torch.linspace(-1, 1, 5))
+    with stats._forced_cuda_path() if forced else contextlib.nullcontext():
+        y = layer(x)
+        y.backward(dy)
+    return {"x": x.detach(), "y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad,
+            "running_var": layer.running_var.clone(), "format_kept": y.is_contiguous(memory_format=torch.channels_last)
+            if layout == "channels_last" else y.is_contiguous()}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("sizes", [(3, 2, 4), (4, 0, 1), (0, 3, 2)])
+def test_cuda_path_matches_the_cpu_path_in_float64(pool, layout, sizes):
+    """float64, W = 3 with an empty rank (rank 0 too; the unbiased variance's N - 1 comes
+    from the summed count, whichever rank is empty): the CUDA path (torch's
+    statistics kernel, the stand-ins of its normalizing and backward kernels) gives the
+    CPU path's output, gradients and buffers to rounding: both compute the same formulas
+    in float64, a few 2^-53 times n (at most 42 per rank) and |mean| / std = 1 apart;
+    bound 1e-12."""
+    cuda = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, True)[:3]
+    cpu = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, False)[:3]
+    for a, b in zip(cuda, cpu):
+        assert a["format_kept"]
+        for key in ("y", "dx", "dw", "db", "running_var"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_path_half_inputs_match_the_cpu_path(pool, dtype):
+    """Half inputs beside float32 parameters (as under autocast), W = 3, channels-last, an
+    empty rank. CUDA's statistics kernel returns float32 statistics of a half input (its
+    stand-in here must too: the CPU kernel, without float32 buffers, returns them rounded to
+    half, off by ~u_half). Both paths compute in float32 or better and round the output
+    and input gradient once to the input dtype: within 2 u (u = 2^-11 float16, 2^-8
+    bfloat16) of each other relative to the largest value. The float32 parameter
+    gradients and the running variance differ by the float32 sums' order, n u_32 ~ 2e-6
+    for n <= 336 elements per channel and rank: bound 1e-5."""
+    u = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    sizes = (3, 0, 5)
+    cuda = pool.run(cuda_path_job, 3, "channels_last", sizes, dtype, 1.0, True, (6, 7), torch.float32)[:3]
+    cpu = pool.run(cuda_path_job, 3, "channels_last", sizes, dtype, 1.0, False, (6, 7), torch.float32)[:3]
+    for a, b in zip(cuda, cpu):
+        assert a["y"].dtype == dtype and a["running_var"].dtype == torch.float32
+        for key, rel in (("y", 2 * u), ("dx", 2 * u), ("dw", 1e-5), ("db", 1e-5), ("running_var", 1e-5)):
+            gap = (a[key].double() - b[key].double()).abs().max() if a[key].numel() else torch.tensor(0.0)
+            scale = max(float(b[key].double().abs().max()), 1.0) if b[key].numel() else 1.0
+            assert torch.isfinite(gap) and gap <= rel * scale, (key, float(gap), rel * scale)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("paths", [("cpu", "portable", "cuda"), ("portable", "cuda", "cpu")])
+@pytest.mark.parametrize("sizes", [(3, 2, 4), (0, 3, 2)])
+def test_ranks_on_different_paths_sum_alike(pool, layout, paths, sizes):
+    """Every path sends the same payloads (fingerprint first; [n, n m, n (var + m^2)]
+    forward, [sum dy, sum dy (x - mean)] backward), so a group whose ranks take different
+    paths (one compiled, another eager, say; here the CPU path, the portable path that
+    torch.compile traces, and the CUDA path forced) trains as one that takes the CPU path
+    on every rank: float64, bound 1e-12 as above. A payload laid out otherwise on one path
+    raises LayerMismatchError or mixes sums of different meanings (off by O(1))."""
+    mixed = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, paths)[:3]
+    cpu = pool.run(cuda_path_job, 3, layout, sizes, torch.float64, 1.0, False)[:3]
+    for a, b in zip(mixed, cpu):
+        for key in ("y", "dx", "dw", "db", "running_var"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("ratio,bound", [(1e3, 1e-5), (1e4, 1e-4)])
+def test_cuda_path_merged_variance_far_from_zero(pool, ratio, bound):
+    """float32, W = 2, |mean| / std = r = ratio, n = 4096 elements per channel and rank.
+    Without a residual pass each rank's mean keeps its float32 rounding d ~ u r / 2 std
+    (u = 2^-24), so the merge sees the ranks' means moved by d: the variance is off by
+    about 2 d / sqrt(n) (the rounding against the true spread of the ranks' means, ~1 /
+    sqrt(n) std) + d^2, plus the buffer's u/2: ~1e-6 at 1e4, ~1e-7 at 1e3 here. The
+    issue's bars for the CUDA path (1e-5 at 1e3, 1e-4 at 1e4) leave ~50x. Measured with the
+    CPU's statistics kernel (double accumulators, d = u r / 2 at most); CUDA's float32
+    Welford kernel rounds a few times more, checked by scripts/gpu-check."""
+    results = pool.run(cuda_path_job, 2, "contiguous", (4, 4), torch.float32, ratio, True, (32, 32))[:2]
+    x = torch.cat([r["x"] for r in results]).double()
+    n = x.numel() // x.shape[1]
+    ref = x.var(dim=(0, 2, 3), correction=1)
+    rel = ((results[0]["running_var"].double() - ref).abs() / ref).max().item()
+    assert rel < bound, rel
+
+
+def cuda_path_constants_job(batches):
+    from syncbn.torch import stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    import syncbn
+
+    layer = syncbn.SyncBatchNorm(5, process_group=group)
+    kept = []
+    with stats._forced_cuda_path():
+        for batch in batches:
+            x = torch.randn(batch, 5, 3, 3, requires_grad=True)
+            layer(x).backward(torch.randn(x.shape))
+            kept.append(set(stats._constants))
+    return kept
+
+
+def test_cuda_path_keeps_no_constant_per_batch_size(pool):
+    """The CUDA path's device constants (copied to the GPU once, a host sync there) depend
+    on the layer, the rank and eps, not on the batch: after the first step, batches of
+    other sizes (multi-scale training, a last smaller batch) make no new one."""
+    for kept in pool.run(cuda_path_constants_job, [2, 3, 5, 1, 4])[:2]:
+        assert kept[0] and all(k == kept[0] for k in kept[1:]), [len(k) for k in kept]
