@@ -1,0 +1,27 @@
+"""The package's face (``syncbn/__init__.py``): the PyTorch names, lazily, and nothing else."""
+
+import subprocess
+import sys
+
+import pytest
+
+import syncbn
+import syncbn.torch
+
+
+def test_the_face_names_exactly_the_torch_api():
+    assert set(syncbn.__all__) - {"__version__"} == set(syncbn.torch.__all__)
+    for name in syncbn.torch.__all__:
+        assert getattr(syncbn, name) is getattr(syncbn.torch, name)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="does_not_exist"):
+        syncbn.does_not_exist  # noqa: B018
+
+
+def test_import_syncbn_imports_no_framework():
+    code = ("import sys, syncbn; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'tensorflow', 'keras', 'jax', 'flax')]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
