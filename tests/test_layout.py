@@ -160,7 +160,7 @@ def test_every_package_has_a_rule():
 @pytest.mark.parametrize("source, target", [
     ("syncbn.torch.fingerprint", "syncbn.torch.batchnorm"),  # a circle inside a package
     ("syncbn.core.fingerprint", "syncbn.torch.stats"),  # core needing a framework
-    ("syncbn.torch.convert", "syncbn.bench.plan"),  # the library needing a tool
+    ("syncbn.torch.conversion", "syncbn.bench.plan"),  # the library needing a tool
 ])
 def test_the_checks_see_a_wrong_import(source, target):
     """The checks above fail on a graph with one wrong edge added."""

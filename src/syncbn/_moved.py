@@ -22,7 +22,7 @@ import warnings
 MOVED = {
     "syncbn.batchnorm": "syncbn.torch.batchnorm",
     "syncbn.batchnorm_act": "syncbn.torch.batchnorm_act",
-    "syncbn.convert": "syncbn.torch.convert",
+    "syncbn.convert": "syncbn.torch.conversion",
     "syncbn.distributed": "syncbn.torch.distributed",
     "syncbn.fingerprint": "syncbn.torch.fingerprint",
     "syncbn.functional": "syncbn.torch.functional",

@@ -171,7 +171,7 @@ def _demo_models(spec: dict, group):
     activations made LeakyReLU(0.01) (the fused layer needs an invertible one)."""
     import torch.nn as nn
 
-    from ..torch.convert import convert_sync_batchnorm
+    from ..torch.conversion import convert_sync_batchnorm
     from ..demo.torch_models import build_segmentation_model
 
     def plain():
@@ -189,7 +189,7 @@ def _demo_models(spec: dict, group):
               "syncbn.SyncBatchNorm + LeakyReLU (convert_sync_batchnorm)": (converted, None)}
     name = "syncbn.SyncBatchNormAct, fused (+ fuse_batchnorm_act)"
     try:
-        from ..torch.convert import fuse_batchnorm_act
+        from ..torch.conversion import fuse_batchnorm_act
 
         def fused():
             return fuse_batchnorm_act(converted(), process_group=group)

@@ -13,7 +13,7 @@ imports only those above it):
   its autograd function;
 - :mod:`~syncbn.torch.batchnorm`, :mod:`~syncbn.torch.batchnorm_act`: the modules
   :class:`SyncBatchNorm` and :class:`SyncBatchNormAct`;
-- :mod:`~syncbn.torch.convert`: model conversion, its inverse and layer naming;
+- :mod:`~syncbn.torch.conversion`: model conversion, its inverse and layer naming;
 - :mod:`~syncbn.torch.groups`, :mod:`~syncbn.torch.precise_bn`: sync groups and precise
   running statistics;
 - :mod:`~syncbn.torch.timm`, :mod:`~syncbn.torch.lightning`: adapters for timm's
@@ -25,12 +25,16 @@ from ..core.fingerprint import LayerMismatchError
 from . import functional
 from .batchnorm import SyncBatchNorm
 from .batchnorm_act import SyncBatchNormAct
-from .convert import convert_sync_batchnorm, fuse_batchnorm_act, name_layers, register_conversion, revert_sync_batchnorm
+from .conversion import convert_sync_batchnorm, fuse_batchnorm_act, name_layers, register_conversion, revert_sync_batchnorm
 from .fingerprint import check_agreement
 from .groups import sync_groups
 from .precise_bn import precise_bn
 from .recompute import checkpoint
 from . import timm as _timm  # noqa: F401 - registers timm's layers with the converter (imports no timm)
+
+# the names every framework of syncbn uses (syncbn.keras.convert, syncbn.flax.convert, ...)
+convert = convert_sync_batchnorm
+revert = revert_sync_batchnorm
 
 __all__ = [
     "LayerMismatchError",
@@ -38,12 +42,14 @@ __all__ = [
     "SyncBatchNormAct",
     "check_agreement",
     "checkpoint",
+    "convert",
     "convert_sync_batchnorm",
     "functional",
     "fuse_batchnorm_act",
     "name_layers",
     "precise_bn",
     "register_conversion",
+    "revert",
     "revert_sync_batchnorm",
     "sync_groups",
 ]

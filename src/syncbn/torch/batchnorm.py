@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,20 @@ class SyncBatchNorm(_SyncNormBase):
     Args: those of ``torch.nn.SyncBatchNorm``; ``process_group`` None means the default
     group. Shapes: input (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the
     same shape and memory format. The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
+
+    Code written against ``torch.nn.SyncBatchNorm`` finds what it calls:
+    ``SyncBatchNorm.convert_sync_batchnorm(module, process_group=None)`` is
+    :func:`syncbn.convert_sync_batchnorm`. The class is not a subclass of
+    ``torch.nn.SyncBatchNorm``, on purpose: ``DistributedDataParallel`` refuses a CPU
+    module holding any instance of that class ("SyncBatchNorm layers only work with GPU
+    modules"), which would end syncbn's CPU and gloo training. Check with
+    ``isinstance(m, torch.nn.modules.batchnorm._BatchNorm)`` (true for both) or
+    ``isinstance(m, (torch.nn.SyncBatchNorm, syncbn.SyncBatchNorm))``.
     """
+
+    # torch.nn.SyncBatchNorm's classmethod; defined in syncbn.torch.conversion, which
+    # imports this module (so this module need not import it back)
+    convert_sync_batchnorm: ClassVar[Callable[..., torch.nn.Module]]
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)

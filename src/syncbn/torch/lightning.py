@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .conversion import convert_sync_batchnorm, revert_sync_batchnorm
 
 if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
     from pytorch_lightning.plugins.layer_sync import LayerSync

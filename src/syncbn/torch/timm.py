@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .batchnorm import SyncBatchNorm
-from .convert import _move_state, _synchronized, register_conversion, register_library
+from .conversion import _move_state, _synchronized, register_conversion, register_library
 
 __all__ = ["SyncBatchNormDropAct", "register"]
 

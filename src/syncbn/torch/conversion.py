@@ -759,3 +759,12 @@ def name_layers(root: nn.Module) -> None:
     for name, module in root.named_modules():
         if isinstance(module, _SyncNormBase):
             fingerprint.set_layer_name(module, name or type(module).__name__)
+
+
+def _convert_classmethod(cls, module: nn.Module, process_group=None) -> nn.Module:
+    """``SyncBatchNorm.convert_sync_batchnorm(module, process_group=None)``, the classmethod
+    of ``torch.nn.SyncBatchNorm`` for code written against it: :func:`convert_sync_batchnorm`."""
+    return convert_sync_batchnorm(module, process_group)
+
+
+SyncBatchNorm.convert_sync_batchnorm = classmethod(_convert_classmethod)

@@ -113,7 +113,7 @@ class PlainSubclass(nn.BatchNorm2d):
 
 def test_subclass_overriding_forward_is_left_with_a_warning():
     model = nn.Sequential(BatchNormAct(4), PlainSubclass(4), BatchNormAct(4), nn.BatchNorm1d(4))
-    with pytest.warns(UserWarning, match=r"left 2 of 4 BatchNorm layers local .*2 x test_convert\.BatchNormAct "):
+    with pytest.warns(UserWarning, match=r"left 2 of 4 BatchNorm layers local .*2 x test_conversion\.BatchNormAct "):
         out = syncbn.convert_sync_batchnorm(model)
     assert type(out[0]) is BatchNormAct and type(out[2]) is BatchNormAct
     assert isinstance(out[1], syncbn.SyncBatchNorm)
@@ -137,7 +137,7 @@ class SyncBatchNormRelu(syncbn.SyncBatchNorm):
 
 
 def test_registered_conversion_round_trip():
-    from syncbn.torch.convert import _CONVERSIONS, _move_state
+    from syncbn.torch.conversion import _CONVERSIONS, _move_state
 
     def to_sync(layer, group):
         new = SyncBatchNormRelu(layer.num_features, process_group=group, device="meta")
@@ -510,3 +510,31 @@ def test_revert_keeps_a_pruned_synchronized_layer():
     with pytest.warns(UserWarning, match="revert_sync_batchnorm left these layers as they are: 1 "):
         back = syncbn.revert_sync_batchnorm(model)
     assert isinstance(back[1], syncbn.SyncBatchNorm) and hasattr(back[1], "weight_mask")
+
+
+# ---- one shape with torch.nn.SyncBatchNorm and with the other frameworks ----------------
+
+
+def test_torch_sync_batchnorm_classmethod_converts_like_the_function():
+    """Code written for torch.nn.SyncBatchNorm calls its classmethod on syncbn's class."""
+    import torch.nn as nn
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+
+    by_method = syncbn.SyncBatchNorm.convert_sync_batchnorm(model())
+    by_function = syncbn.convert_sync_batchnorm(model())
+    assert [type(m) for m in by_method.modules()] == [type(m) for m in by_function.modules()]
+    assert sum(isinstance(m, syncbn.SyncBatchNorm) for m in by_method.modules()) == 2
+    for a, b in zip(by_method.state_dict().values(), by_function.state_dict().values()):
+        assert torch.equal(a, b)
+    # not a torch.nn.SyncBatchNorm: DDP refuses CPU modules holding one
+    assert not issubclass(syncbn.SyncBatchNorm, nn.SyncBatchNorm)
+
+
+def test_torch_names_convert_and_revert_are_the_torch_functions():
+    import syncbn.torch
+
+    assert syncbn.torch.convert is syncbn.convert_sync_batchnorm
+    assert syncbn.torch.revert is syncbn.revert_sync_batchnorm
