@@ -854,6 +854,366 @@ def nnx_matches_flax_nnx():
     return info
 
 
+# ----------------------------------------------------------------------------- conversion (one API shape)
+
+
+def linen_models():
+    """Linen classes written with flax.linen.BatchNorm at three depths, in setup and
+    compact style: ``Net`` (setup) -> ``first`` BN and ``Deep`` (compact) -> a compact BN
+    and ``Inner`` (setup) -> ``norm`` BN, squares between the layers (so a layer fed
+    with synchronized inputs still sees uneven devices); ``Net.encode`` runs ``first``."""
+    import flax.linen as nn
+
+    bn = lambda **kw: nn.BatchNorm(use_running_average=False, momentum=MOMENTUM, epsilon=EPS, **kw)
+
+    class Inner(nn.Module):
+        def setup(self):
+            self.norm = bn()
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = bn()(x)
+            return Inner()(h * h)
+
+    class Net(nn.Module):
+        def setup(self):
+            self.first = bn()
+            self.deep = Deep()
+
+        def __call__(self, x):
+            h = self.first(x)
+            return self.deep(h * h)
+
+        def encode(self, x):
+            return self.first(x)
+
+    return Net, Deep
+
+
+# the BatchNorm layers of linen_models().Net, in the order they run
+NET_LAYERS = (("first",), ("deep", "BatchNorm_0"), ("deep", "Inner_0", "norm"))
+
+
+def net_variables(model, x, seed):
+    """``model.init``'s variables with every scale, bias and running statistic redrawn."""
+    import jax
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    rng = np.random.default_rng(seed)
+    flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, model.init(jax.random.PRNGKey(0), x)))
+    draw = {"scale": (0.5, 1.5), "bias": (-1, 1), "mean": (-1, 1), "var": (0.5, 2)}
+    flat = {k: jnp.asarray(rng.uniform(*draw[k[-1]], v.shape).astype(v.dtype)) for k, v in flat.items()}
+    return traverse_util.unflatten_dict(flat)
+
+
+def net_oracle(variables, x, dy, layers, square):
+    """float64 reference of a chain of batch norms over the concatenated batch ``x``
+    (``square``: h*h between layers): output, updated running statistics per layer,
+    and the gradients of x and of every scale/bias for the cotangent ``dy``."""
+    import jax
+    import jax.numpy as jnp
+    from flax_oracle import reference
+
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
+        params = [{k: f64(get_in(variables["params"], p)[k]) for k in ("scale", "bias")} for p in layers]
+
+        def f(x, params):
+            stats = []
+            for i, (p, path) in enumerate(zip(params, layers)):
+                if i and square:
+                    x = x * x
+                x, mean, var = reference(x, p["scale"], p["bias"], None, -1, EPS)
+                old = get_in(variables["batch_stats"], path)
+                stats.append((MOMENTUM * f64(old["mean"]) + (1 - MOMENTUM) * mean,
+                              MOMENTUM * f64(old["var"]) + (1 - MOMENTUM) * var))
+            return x, stats
+
+        (y, stats), pullback = jax.vjp(f, f64(x), params)
+        zeros = [(jnp.zeros_like(m), jnp.zeros_like(v)) for m, v in stats]
+        dx, dparams = pullback((f64(dy), zeros))
+        return (np.asarray(y), [tuple(map(np.asarray, s)) for s in stats], np.asarray(dx),
+                [{k: np.asarray(v) for k, v in p.items()} for p in dparams])
+
+
+def get_in(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def pmap_net(model, variables, x, dy, devices, **apply_kw):
+    """One training call of a linen model under pmap over ``devices`` (parameters
+    broadcast), its vjp for ``dy``: ``(y, batch_stats, dx, dparams)`` as numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    def replica(x, params):
+        y, upd = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x,
+                             mutable=["batch_stats"], **apply_kw)
+        return y, upd["batch_stats"]
+
+    step = jax.pmap(replica, axis_name=AXIS, in_axes=(0, None), devices=devices)
+    (y, stats), pullback = jax.vjp(lambda x, p: step(x, p), jnp.asarray(x), variables["params"])
+    dx, dparams = pullback((jnp.asarray(dy), jax.tree.map(jnp.zeros_like, stats)))
+    return jax.tree.map(np.asarray, (y, stats, dx, dparams))
+
+
+def two_device_batch(seed, channels=3, per_device=4):
+    rng = np.random.default_rng(seed)
+    offsets = np.array([2.0, -3.0])[:, None, None]
+    x = (rng.standard_normal((2, per_device, channels)) * 1.5 + offsets).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    return x, dy
+
+
+@check
+def linen_convert_function_matches_oracle():
+    """model = syncbn.flax.convert(model, axis_name=...) on a model of plain
+    flax.linen.BatchNorm layers (setup and compact style, depths 1 to 3) under pmap on 2
+    devices: output, dx, every scale/bias gradient and running statistic equal to the
+    float64 oracle on the concatenated batch and to the context form; apply(...,
+    method=...) with a name, an unbound and a bound method equals the context form's
+    (and the oracle of that one layer); the unconverted model differs (local statistics)."""
+    import jax
+    import syncbn.flax as sf
+
+    Net, _ = linen_models()
+    plain = Net()
+    model = sf.convert(plain, axis_name=AXIS)
+    x, dy = two_device_batch(51)
+    variables = net_variables(plain, x[0], 52)
+    devices = jax.devices()[:2]
+    got = pmap_net(model, variables, x, dy, devices)
+    with sf.convert(axis_name=AXIS):
+        ctx = pmap_net(plain, variables, x, dy, devices)
+    local = pmap_net(plain, variables, x, dy, devices)
+
+    info = {}
+    y, stats, dx, dparams = net_oracle(variables, concat(x), concat(dy), NET_LAYERS, True)
+    info["y"] = assert_close("y", concat(got[0]), y, TOL["float32"])
+    info["dx"] = assert_close("dx", concat(got[2]), dx, TOL["float32"])
+    for path, (mean, var), dp in zip(NET_LAYERS, stats, dparams):
+        name = "/".join(path)
+        for d in range(2):
+            assert_close(f"{name} mean", get_in(got[1], path)["mean"][d], mean, TOL["float32"])
+            assert_close(f"{name} var", get_in(got[1], path)["var"][d], var, TOL["float32"])
+        for k in ("scale", "bias"):
+            info[f"{name} d{k}"] = assert_close(f"{name} d{k}", get_in(got[3], path)[k], dp[k], TOL["float32"])
+    assert jax.tree.structure(got) == jax.tree.structure(ctx)
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(ctx))):
+        assert_close(f"function vs context form, leaf {i}", a, b, 1e-6)
+    assert not np.allclose(concat(local[0]), y, atol=1e-2), "the plain model must not be synchronized"
+
+    y1, _, dx1, _ = net_oracle(variables, concat(x), concat(dy), NET_LAYERS[:1], False)
+    with sf.convert(axis_name=AXIS):
+        ctx = pmap_net(plain, variables, x, dy, devices, method="encode")
+    for label, method in (("name", "encode"), ("unbound", Net.encode), ("bound", plain.encode),
+                          ("wrapper's", model.encode), ("function", lambda m, x: m.encode(x))):
+        got = pmap_net(model, variables, x, dy, devices, method=method)
+        info[f"method {label} y"] = assert_close(f"method {label} y", concat(got[0]), y1, TOL["float32"])
+        assert_close(f"method {label} dx", concat(got[2]), dx1, TOL["float32"])
+        assert_close(f"method {label} vs context", concat(got[0]), concat(ctx[0]), 1e-6)
+    try:
+        model.apply(variables, x[0], method="no_such_method")
+    except AttributeError as err:
+        assert "no_such_method" in str(err), err
+    else:
+        raise AssertionError("an unknown method did not raise")
+    return info
+
+
+@check
+def linen_convert_variables_and_revert():
+    """A converted linen model has exactly the original's variable tree (paths, shapes,
+    dtypes, and the same initial values for the same key), also as a submodule of a
+    parent (setup and compact); variables are interchangeable both ways;
+    revert(convert(m)) is m with every field equal, also after converting twice; nnx
+    models and a positional axis name are TypeErrors, not no-ops."""
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    import syncbn.flax as sf
+
+    Net, Deep = linen_models()
+
+    class ParentSetup(nn.Module):
+        sync: bool
+
+        def setup(self):
+            self.body = sf.convert(Net(), axis_name=AXIS) if self.sync else Net()
+
+        def __call__(self, x):
+            return self.body.encode(self.body(x))  # a forwarded method too
+
+    class ParentCompact(nn.Module):
+        sync: bool
+
+        @nn.compact
+        def __call__(self, x):
+            deep = Deep()
+            return (sf.convert(deep, axis_name=AXIS) if self.sync else deep)(x)
+
+    x, _ = two_device_batch(53)
+    key = jax.random.PRNGKey(3)
+    spec = lambda tree: jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a: (a.shape, a.dtype), tree))
+    info = {}
+    for plain, converted in ((Net(), sf.convert(Net(), axis_name=AXIS)),
+                             (Deep(), sf.convert(Deep())),
+                             (nn.BatchNorm(use_running_average=False), sf.convert(nn.BatchNorm(use_running_average=False))),
+                             (ParentSetup(False), ParentSetup(True)), (ParentCompact(False), ParentCompact(True))):
+        name = type(plain).__name__
+        v_plain, v_conv = plain.init(key, x[0]), converted.init(key, x[0])
+        assert spec(v_plain) == spec(v_conv), (name, spec(v_plain), spec(v_conv))
+        for a, b in zip(jax.tree.leaves(v_plain), jax.tree.leaves(v_conv)):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+        # the variables are interchangeable: each model runs on the other's
+        y_conv = jax.pmap(lambda x: converted.apply(v_plain, x, mutable=["batch_stats"])[0], axis_name=AXIS,
+                          devices=jax.devices()[:2])(x)
+        y_plain = jax.pmap(lambda x: plain.apply(v_conv, x, mutable=["batch_stats"])[0], axis_name=AXIS,
+                           devices=jax.devices()[:2])(x)
+        assert np.isfinite(np.asarray(y_conv)).all() and np.isfinite(np.asarray(y_plain)).all(), name
+        info[name] = len(jax.tree.leaves(v_plain))
+
+    for original in (Net(), Deep(), nn.BatchNorm(use_running_average=False, momentum=0.7, axis_name="mine",
+                                                 axis_index_groups=[[0, 1]])):
+        once = sf.convert(original, axis_name=AXIS, axis_index_groups=[[0, 1]])
+        twice = sf.convert(once, axis_name="other")
+        assert twice.axis_name == "other", twice
+        for back in (sf.revert(once), sf.revert(twice)):
+            assert back is original, (back, original)
+            assert type(back) is type(original)
+            for field in dataclasses.fields(original):
+                assert getattr(back, field.name) == getattr(original, field.name), field.name
+        assert sf.revert(original) is original  # nothing to revert
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                     sf.revert(sf.convert(Net())).init(key, x[0]), Net().init(key, x[0])))
+
+    for bad, call, hint in ((nnx.BatchNorm(3, rngs=nnx.Rngs(0)), sf.convert, "syncbn.flax.nnx.convert"),
+                            ("d", sf.convert, "by keyword"),
+                            (nnx.BatchNorm(3, rngs=nnx.Rngs(0)), sf.revert, "syncbn.flax.nnx.revert")):
+        try:
+            call(bad)
+        except TypeError as err:
+            assert hint in str(err), err
+        else:
+            raise AssertionError(f"{call.__name__}({type(bad).__name__}) did not raise")
+    return info
+
+
+@check
+def linen_context_retraces_cached_functions():
+    """with syncbn.flax.convert(axis_name=...): around a pmap'd training step traced
+    before, outside the context: inside it the step is traced again and synchronized
+    (equal to the function form); after it, plain Flax again (per-device statistics);
+    entering the context again reuses the trace made inside (2 traces in all)."""
+    import jax
+    import syncbn.flax as sf
+
+    Net, _ = linen_models()
+    plain = Net()
+    x, dy = two_device_batch(54)
+    variables = net_variables(plain, x[0], 55)
+    traces = []
+
+    def replica(x):
+        traces.append(1)
+        return plain.apply(variables, x, mutable=["batch_stats"])[0]
+
+    step = jax.pmap(replica, axis_name=AXIS, devices=jax.devices()[:2])
+    local = np.asarray(step(x))
+    synced = np.asarray(jax.pmap(lambda x: sf.convert(plain, axis_name=AXIS).apply(
+        variables, x, mutable=["batch_stats"])[0], axis_name=AXIS, devices=jax.devices()[:2])(x))
+    y, *_ = net_oracle(variables, concat(x), concat(dy), NET_LAYERS, True)
+    info = {"synchronized vs oracle": assert_close("function form", concat(synced), y, TOL["float32"])}
+    assert not np.allclose(local, synced, atol=1e-2), "the plain step must not be synchronized"
+    for attempt in range(2):
+        with sf.convert(axis_name=AXIS):
+            inside = np.asarray(step(x))
+        info[f"inside {attempt}"] = assert_close(f"inside the context ({attempt})", inside, synced, 1e-6)
+        outside = np.asarray(step(x))
+        assert np.array_equal(outside, local), f"after the context ({attempt}): not plain Flax again"
+    assert len(traces) == 2, f"{len(traces)} traces: one outside, one inside, each reused"
+    return info
+
+
+@check
+def nnx_revert_restores_every_field():
+    """nnx: model = convert(model, axis_name=...) returns the same object and replaces
+    every nnx.BatchNorm (a shared one in both places); revert(model) returns it with
+    plain layers whose every attribute equals the original's (axis_name and
+    axis_index_groups included, no extra one), holding the very same Variables with
+    unchanged values; the reverted model then runs on one device, outside any
+    pmap/shard_map (no unbound axis name); a model that is itself a BatchNorm is
+    returned replaced."""
+    import jax.numpy as jnp
+    from flax import nnx
+    import syncbn.flax.nnx as snnx
+
+    default_promote = nnx.BatchNorm(1, rngs=nnx.Rngs(0)).promote_dtype
+
+    def custom_promote(args, /, *, dtype=None, inexact=True):
+        return default_promote(args, dtype=dtype, inexact=inexact)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, momentum=0.7, epsilon=1e-3, use_fast_variance=False, rngs=rngs)
+            self.alias = self.bn
+            self.blocks = nnx.List([
+                nnx.BatchNorm(4, axis_name="own", axis_index_groups=((0, 1),), use_bias=False,
+                              param_dtype=jnp.float32, dtype=jnp.float32, promote_dtype=custom_promote, rngs=rngs),
+                nnx.Linear(4, 4, rngs=rngs),
+                nnx.BatchNorm(4, use_scale=False, use_running_average=True, rngs=rngs)])
+
+    net = Net(nnx.Rngs(0))
+    layers = [net.bn, net.blocks[0], net.blocks[2]]
+    for i, layer in enumerate(layers):
+        layer.mean[...] = jnp.arange(4.0) + i
+    config = lambda layer: {k: v for k, v in vars(layer).items()
+                            if not k.startswith("_pytree__") and not isinstance(v, nnx.Variable)}
+    assert set(config(layers[0])) >= set(snnx._CONFIG), set(snnx._CONFIG) - set(config(layers[0]))
+    before = [config(layer) for layer in layers]
+    variables = [{k: v for k, v in vars(layer).items() if isinstance(v, nnx.Variable)} for layer in layers]
+    values = [{k: np.asarray(v[...]) for k, v in vs.items()} for vs in variables]
+
+    assert snnx.convert(net, axis_name=AXIS, axis_index_groups=((0, 1), (2, 3))) is net
+    now = [net.bn, net.blocks[0], net.blocks[2]]
+    assert all(type(layer) is snnx.BatchNorm for layer in now) and net.alias is net.bn, now
+    assert all(layer.axis_name == AXIS and layer.axis_index_groups == ((0, 1), (2, 3)) for layer in now)
+    assert snnx.revert(net) is net
+    back = [net.bn, net.blocks[0], net.blocks[2]]
+    assert net.alias is net.bn
+    for i, layer in enumerate(back):
+        assert type(layer) is nnx.BatchNorm, type(layer)
+        got = config(layer)
+        assert set(got) == set(before[i]), (i, set(got) ^ set(before[i]))
+        for k, want in before[i].items():
+            assert got[k] is want or got[k] == want, (i, k, got[k], want)
+        for k, var in variables[i].items():
+            assert getattr(layer, k) is var, (i, k)
+            assert np.array_equal(np.asarray(var[...]), values[i][k]), (i, k)
+    net.blocks[0].axis_name = net.blocks[0].axis_index_groups = None  # the one layer built with an axis
+    x = jnp.asarray(np.random.default_rng(61).standard_normal((6, 3)) + 2, jnp.float32)
+    y = net.blocks[2](net.blocks[0](net.bn(net.lin(x))))
+    assert np.isfinite(np.asarray(y)).all()
+
+    single = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    converted = snnx.convert(single, axis_name=AXIS)
+    assert type(converted) is snnx.BatchNorm and converted.scale is single.scale
+    reverted = snnx.revert(converted)
+    assert type(reverted) is nnx.BatchNorm and reverted.axis_name is None and reverted.scale is single.scale
+    reverted(x[:, :1].repeat(4, 1))  # one device, no axis name
+    return {"layers": len(back)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

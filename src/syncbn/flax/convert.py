@@ -1,39 +1,206 @@
-"""Switch an existing linen model's ``flax.linen.BatchNorm`` layers to syncbn's.
+"""Synchronize the ``flax.linen.BatchNorm`` layers of an existing linen model.
 
-Linen modules are frozen dataclasses built inside their parents' ``setup``/``compact``
-methods, so the idiomatic way to change a layer "at a distance" is a method
-interceptor (``flax.linen.intercept_methods``): inside ``with syncbn.flax.convert():``
-every call of a ``flax.linen.BatchNorm``'s ``__call__`` runs syncbn's forward on that
-very module (same scope, same variables, same fields). Nothing about the model
-definition or its variables changes; leaving the context restores Flax's behaviour.
-The other way is class substitution: build the model with ``syncbn.flax.BatchNorm``
-where it used ``flax.linen.BatchNorm`` (it is a subclass with the same fields).
+As in every syncbn framework, conversion returns the model to use and revert the plain one::
+
+    model = syncbn.flax.convert(model, axis_name="batch")   # a new linen module
+    variables = model.init(key, x)        # the same variable tree as the original's
+    y, updates = model.apply(variables, x, mutable=["batch_stats"])   # under pmap / shard_map
+    model = syncbn.flax.revert(model)     # the original module itself
+
+Linen modules are immutable dataclasses, so :func:`convert` returns a new module
+(:class:`Synchronized`) that shares its variable scope with the original
+(``flax.linen.share_scope``): same variables, same paths, and ``apply(...,
+method=...)`` reaches the original's methods. While it runs, every
+``flax.linen.BatchNorm.__call__`` inside it (compact or setup style, at any depth, in
+``init`` and ``apply``) computes syncbn's synchronized statistics on that very layer.
+
+The older form, ``with syncbn.flax.convert(axis_name="batch"):`` around the calls, still
+works (see :func:`synchronizing`); the model form is the recommended one, because the
+conversion then belongs to the model, not to where a function happens to be traced.
+A third way is to build the model with ``syncbn.flax.BatchNorm`` (a subclass of
+``flax.linen.BatchNorm`` with the same fields) in place of Flax's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import inspect
+import types
+from typing import Any, NamedTuple
 
+import jax
 from flax import linen as nn
+from flax import nnx
 
 from .linen import linen_forward
+from .normalize import freeze_groups
+
+__all__ = ["convert", "revert", "synchronizing", "Synchronized"]
+
+
+class _Settings(NamedTuple):
+    axis_name: Any
+    axis_index_groups: Any
+
+
+# The conversion in force, as a JAX user context (jax.make_user_context): its value is
+# part of the key of every jit/pmap cache, so a function traced without the conversion is traced
+# again inside it, and a trace made inside is reused only under the same settings.
+_SETTINGS = jax.make_user_context(None)
+
+
+def _intercept(next_fun, args, kwargs, context):
+    settings = _SETTINGS.value  # the innermost conversion wins
+    if settings is None or context.method_name != "__call__" or not isinstance(context.module, nn.BatchNorm):
+        return next_fun(*args, **kwargs)
+    return linen_forward(context.module, *args, axis_name=settings.axis_name,
+                         axis_index_groups=settings.axis_index_groups, **kwargs)
 
 
 @contextlib.contextmanager
-def convert(axis_name: Any = None, axis_index_groups: Any = None):
-    """Context manager: every ``flax.linen.BatchNorm.__call__`` run inside it (``init``,
-    ``apply``, under ``jit``/``pmap``/``shard_map`` tracing) computes syncbn's exact
-    synchronized statistics. With ``axis_name`` (and ``axis_index_groups``) the layers
-    synchronize over it, overriding their own fields; without it each layer uses its own
-    ``axis_name``. Tracing must happen inside the context: a function ``jit``-compiled
-    before entering it keeps what it compiled."""
+def synchronizing(axis_name: Any = None, axis_index_groups: Any = None):
+    """Context manager: every ``flax.linen.BatchNorm.__call__`` run inside it computes
+    syncbn's synchronized statistics (``axis_name``/``axis_index_groups`` override the
+    layers' own when given). It does exactly two things, both undone on exit:
 
-    def interceptor(next_fun, args, kwargs, context):
-        module = context.module
-        if context.method_name != "__call__" or not isinstance(module, nn.BatchNorm):
-            return next_fun(*args, **kwargs)
-        return linen_forward(module, *args, axis_name=axis_name, axis_index_groups=axis_index_groups, **kwargs)
+    - registers a ``flax.linen.intercept_methods`` interceptor that runs syncbn's forward
+      on each intercepted ``BatchNorm`` (same module, scope, variables and fields);
+    - sets a JAX user context (``jax.make_user_context``) holding the settings, which
+      ``jax.jit``/``jax.pmap`` include in their cache keys: a function traced outside
+      is traced again inside (never reused unsynchronized), a function traced inside is
+      traced again outside (never reused synchronized), and entering again with the
+      same settings reuses the trace made inside (no recompilation per step).
 
-    with nn.intercept_methods(interceptor):
+    Nested, the innermost conversion's settings apply. This is ``convert()`` without a
+    model; :func:`convert` with the model is the recommended form.
+    """
+    settings = _Settings(axis_name, freeze_groups(axis_index_groups))
+    with _SETTINGS(settings), nn.intercept_methods(_intercept):
         yield
+
+
+def _wrapped_method(module, name: str):
+    """``module``'s class's own method ``name`` (not one of ``flax.linen.Module``'s), or None."""
+    if not isinstance(module, nn.Module) or name.startswith("_") or hasattr(nn.Module, name):
+        return None
+    fn = getattr(type(module), name, None)
+    return fn if inspect.isfunction(fn) else None
+
+
+def _on_module(fn):
+    """A method of :class:`Synchronized` that calls ``fn(module, ...)`` synchronized."""
+
+    def method(wrapper, *args, **kwargs):
+        return wrapper.call_module(fn, *args, **kwargs)
+
+    return method
+
+
+_OWN_METHODS = ("__call__", "call_module")
+
+
+class Synchronized(nn.Module):
+    """``module`` with every ``flax.linen.BatchNorm`` it calls synchronized over
+    ``axis_name`` (each layer's own when None). Made by :func:`convert`, undone by
+    :func:`revert`. It shares ``module``'s scope, so its variables are ``module``'s.
+
+    Calling it calls ``module``; ``apply``/``init`` with ``method=`` (a name, an unbound
+    method of ``module``'s class, a bound method of the original module, or any function
+    taking the module first) run that method on ``module``; a bound instance (``bind``,
+    or a submodule of a parent model) forwards ``module``'s own methods likewise.
+    """
+
+    module: nn.Module
+    axis_name: Any = None
+    axis_index_groups: Any = None
+
+    def setup(self):
+        nn.share_scope(self, self.module)
+
+    def __call__(self, *args, **kwargs):
+        with synchronizing(self.axis_name, self.axis_index_groups):
+            return self.module(*args, **kwargs)
+
+    def call_module(self, fn, *args, **kwargs):
+        """``fn(module, *args, **kwargs)``, ``module`` bound, its BatchNorms synchronized."""
+        with synchronizing(self.axis_name, self.axis_index_groups):
+            return fn(self.module, *args, **kwargs)
+
+    @nn.nowrap
+    def _resolve(self, method):
+        """``method`` as ``Module.apply`` takes it, meant for ``module``: a method of this wrapper."""
+        if method is None:
+            return None
+        if isinstance(method, str):
+            if method in _OWN_METHODS:
+                return method
+            return _on_module(lambda module, *args, **kwargs: getattr(module, method)(*args, **kwargs))
+        if inspect.ismethod(method) and method.__self__ is self:
+            return method  # one of this wrapper's methods, its own or forwarded
+        if inspect.ismethod(method) and isinstance(method.__self__, nn.Module):
+            method = method.__func__
+        if any(method is getattr(Synchronized, name) for name in _OWN_METHODS):
+            return method
+        return _on_module(method)
+
+    @nn.nowrap
+    def apply(self, variables, *args, method=None, **kwargs):
+        return super().apply(variables, *args, method=self._resolve(method), **kwargs)
+
+    @nn.nowrap
+    def init_with_output(self, rngs, *args, method=None, **kwargs):  # init goes through here
+        return super().init_with_output(rngs, *args, method=self._resolve(method), **kwargs)
+
+    @nn.nowrap
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            fn = _wrapped_method(self.__dict__.get("module"), name)
+            if fn is None:
+                raise
+            return types.MethodType(_on_module(fn), self)
+
+
+def convert(module: Any = None, *, axis_name: Any = None, axis_index_groups: Any = None):
+    """Synchronize every ``flax.linen.BatchNorm`` of a linen model.
+
+    ``model = convert(model, axis_name="batch")`` returns a new module that behaves like
+    ``model`` (same call, methods and variable tree: variables of ``model.init`` work
+    with it and back) except that each ``flax.linen.BatchNorm`` it calls computes exact
+    statistics over the devices of ``axis_name`` (and ``axis_index_groups``); without
+    ``axis_name`` each layer keeps its own. Converting a converted module replaces its
+    settings. ``revert(convert(m))`` is ``m``.
+
+    Without a module, ``with convert(axis_name=...):`` is a context manager
+    (:func:`synchronizing`): inside it every ``flax.linen.BatchNorm.__call__`` of any
+    model runs syncbn's forward (a ``flax.linen.intercept_methods`` interceptor), and
+    ``jax.jit``/``jax.pmap`` key their caches on it (a JAX user context), so a step
+    traced before entering is traced again inside, and one traced inside is not reused
+    outside. Prefer the model form: the conversion then belongs to the model, not to
+    where and when a function is traced.
+
+    For ``flax.nnx`` models use :func:`syncbn.flax.nnx.convert`.
+    """
+    if module is None:
+        return synchronizing(axis_name, axis_index_groups)
+    if isinstance(module, Synchronized):
+        module = module.module
+    if not isinstance(module, nn.Module):
+        hint = (" For a flax.nnx model use syncbn.flax.nnx.convert." if isinstance(module, nnx.Module)
+                else " Pass axis_name and axis_index_groups by keyword.")
+        raise TypeError(f"syncbn.flax.convert takes a flax.linen Module (or nothing, as a context manager), "
+                        f"got {type(module).__name__}.{hint}")
+    return Synchronized(module, axis_name=axis_name, axis_index_groups=freeze_groups(axis_index_groups))
+
+
+def revert(module: Any):
+    """The plain linen model of a :func:`convert`-ed one (the very module that was
+    converted); any other linen module is returned as it is. For ``flax.nnx`` models use
+    :func:`syncbn.flax.nnx.revert`."""
+    if isinstance(module, Synchronized):
+        return module.module
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"syncbn.flax.revert takes a flax.linen Module, got {type(module).__name__}. "
+                        "For a flax.nnx model use syncbn.flax.nnx.revert.")
+    return module

@@ -1,7 +1,14 @@
 """``syncbn.flax.nnx.BatchNorm``: a drop-in ``flax.nnx.BatchNorm`` (same constructor,
 ``.scale``/``.bias`` params and ``.mean``/``.var`` batch statistics, same update rule)
-whose training statistics are exact over the union of devices; and :func:`convert`,
-which switches every ``nnx.BatchNorm`` of an existing model in place.
+whose training statistics are exact over the union of devices; and the conversion of
+an existing model, as in every syncbn framework::
+
+    model = syncbn.flax.nnx.convert(model, axis_name="batch")   # synchronized
+    model = syncbn.flax.nnx.revert(model)                        # plain again
+
+nnx modules are mutable, so both work in place and return the same root object (the
+new layer when the root is itself a BatchNorm); the layers keep their Variables, and
+``revert(convert(m))`` restores every field of every layer, ``axis_name`` included.
 """
 
 from __future__ import annotations
@@ -46,47 +53,80 @@ class BatchNorm(nnx.BatchNorm):
 _SHARED = ("mean", "var", "scale", "bias")
 _CONFIG = ("num_features", "use_running_average", "axis", "momentum", "epsilon", "dtype", "param_dtype",
            "use_bias", "use_scale", "axis_name", "axis_index_groups", "use_fast_variance", "promote_dtype")
+# On a layer whose axis convert() replaced: the (axis_name, axis_index_groups) it had, for revert().
+_AXIS_BEFORE = "axis_before_convert"
 
 
-def _replacement(old: nnx.BatchNorm, sync: bool, axis_name: Any, axis_index_groups: Any) -> nnx.BatchNorm:
-    cls = BatchNorm if sync else nnx.BatchNorm
+def _rebuilt(old: nnx.BatchNorm, cls) -> nnx.BatchNorm:
+    """A ``cls`` layer with ``old``'s configuration and its very Variable objects (their
+    values, sharding and any optimizer state referring to them stay valid)."""
     new = cls(old.num_features, use_scale=old.use_scale, use_bias=old.use_bias, rngs=nnx.Rngs(0))
     for name in _CONFIG:
         setattr(new, name, getattr(old, name))
-    if sync and axis_name is not None:
-        new.axis_name, new.axis_index_groups = axis_name, axis_index_groups
-    for name in _SHARED:  # the very same Variable objects: optimizer state and sharing stay valid
+    for name in _SHARED:
         setattr(new, name, getattr(old, name))
     return new
 
 
-def _swap(model, wanted, sync, axis_name, axis_index_groups):
-    if type(model) is wanted:  # the model is itself one batch-norm layer
-        return _replacement(model, sync, axis_name, axis_index_groups)
-    found = [(path, node) for path, node in nnx.iter_graph(model) if type(node) is wanted]
-    for path, node in found:
-        parent = model
-        for key in path[:-1]:
-            parent = parent[key] if isinstance(key, int) or not hasattr(parent, str(key)) else getattr(parent, key)
-        new = _replacement(node, sync, axis_name, axis_index_groups)
-        key = path[-1]
-        if isinstance(key, int) or not hasattr(parent, str(key)):
-            parent[key] = new
-        else:
-            setattr(parent, key, new)
-    return model
+def _replace_layers(model, replace):
+    """``replace(layer)`` for every layer of ``model``'s graph for which it is not None,
+    in every place that holds the layer (a shared layer is replaced wherever it is);
+    returns ``model``, or its replacement when ``model`` is itself such a layer."""
+    nodes = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Pytree)]
+    new = {id(node): replace(node) for node in nodes}
+    new = {key: layer for key, layer in new.items() if layer is not None}
+    for parent in nodes:
+        if id(parent) in new:
+            continue
+        for key, child in list(nnx.iter_children(parent)):
+            if id(child) not in new or new[id(child)] is child:
+                continue
+            if isinstance(key, int) or not hasattr(parent, str(key)):
+                parent[key] = new[id(child)]
+            else:
+                setattr(parent, key, new[id(child)])
+    return new.get(id(model), model)
 
 
 def convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
-    """Replace, in place, every ``flax.nnx.BatchNorm`` of ``model``'s graph by
-    :class:`BatchNorm` sharing the same ``scale``/``bias``/``mean``/``var`` Variables
-    (their values, sharding and any optimizer state referring to them stay valid). With
-    ``axis_name``, the converted layers synchronize over it (and ``axis_index_groups``);
-    otherwise each keeps its own. Returns ``model`` (or the new layer when ``model`` is
-    itself a BatchNorm)."""
-    return _swap(model, nnx.BatchNorm, True, axis_name, axis_index_groups)
+    """Synchronize every ``flax.nnx.BatchNorm`` of ``model``, in place.
+
+    ``model = convert(model, axis_name="batch")``: each ``flax.nnx.BatchNorm`` in the
+    graph is replaced, wherever it is held, by a :class:`BatchNorm` with the same
+    configuration and the very same ``scale``/``bias``/``mean``/``var`` Variables (their
+    values, sharding and any optimizer state referring to them stay valid). With
+    ``axis_name``, the converted layers (and any :class:`BatchNorm` already there)
+    synchronize over it and ``axis_index_groups``; otherwise each keeps its own.
+    Returns ``model`` itself (or the new layer when ``model`` is itself a BatchNorm).
+    ``revert(convert(m))`` restores every field of ``m``.
+    """
+
+    def synchronized(layer):
+        if type(layer) is nnx.BatchNorm:
+            layer = _rebuilt(layer, BatchNorm)
+        elif type(layer) is not BatchNorm:
+            return None
+        if axis_name is not None:
+            if not hasattr(layer, _AXIS_BEFORE):
+                setattr(layer, _AXIS_BEFORE, (layer.axis_name, layer.axis_index_groups))
+            layer.axis_name, layer.axis_index_groups = axis_name, axis_index_groups
+        return layer
+
+    return _replace_layers(model, synchronized)
 
 
 def revert(model):
-    """The inverse of :func:`convert`: plain ``flax.nnx.BatchNorm`` layers again, in place."""
-    return _swap(model, BatchNorm, False, None, None)
+    """The inverse of :func:`convert`, in place: every :class:`BatchNorm` becomes a
+    ``flax.nnx.BatchNorm`` with its configuration (the ``axis_name`` and
+    ``axis_index_groups`` it had before :func:`convert` replaced them) and the very same
+    Variables. Returns ``model`` itself (or the new layer when ``model`` is one)."""
+
+    def plain(layer):
+        if type(layer) is not BatchNorm:
+            return None
+        new = _rebuilt(layer, nnx.BatchNorm)
+        if hasattr(layer, _AXIS_BEFORE):
+            new.axis_name, new.axis_index_groups = getattr(layer, _AXIS_BEFORE)
+        return new
+
+    return _replace_layers(model, plain)
