@@ -46,23 +46,25 @@ def launch(plan_path: str, out: str, timeout: float) -> int:
     ports = free_ports(WORLD)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
-    for index in range(WORLD):
-        env = dict(os.environ, KERAS_BACKEND="tensorflow",
-                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        cmd = [sys.executable, "-m", "syncbn.bench.keras_multiworker", "--worker", str(index), "--plan", plan_path,
-               "--out", f"{out}.{index}"]
-        procs.append(subprocess.Popen(cmd, env=env))  # in the launcher's process group: a kill of it ends them
-    deadline = time.monotonic() + timeout
     codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for proc, code in zip(procs, codes):
-        if code is None:  # one worker left waiting in a collective: end both
-            proc.kill()
-            proc.wait()
+    try:
+        for index in range(WORLD):
+            env = dict(os.environ, KERAS_BACKEND="tensorflow",
+                       TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            cmd = [sys.executable, "-m", "syncbn.bench.keras_multiworker", "--worker", str(index), "--plan",
+                   plan_path, "--out", f"{out}.{index}"]
+            procs.append(subprocess.Popen(cmd, env=env))  # in the launcher's process group: a kill of it ends them
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:  # a worker still running (left waiting in a collective, or the launcher raised): end it
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     result = None
     if os.path.exists(f"{out}.0"):
         with open(f"{out}.0") as fh:

@@ -1,8 +1,11 @@
 """Starting a peer: one implementation's measurements in a fresh Python process.
 
 Each peer process gets the plan as a JSON file and writes its results to another; it
-runs in its own session so that a timeout kills it and everything it started. Nothing
-here imports a deep-learning framework.
+runs in its own session (a process group of its own), and that whole group is ended
+whenever :func:`run_peer` returns or raises: after a timeout, an exception, Ctrl-C
+(``KeyboardInterrupt``) or SIGTERM (made an exception by :func:`sigterm_exits`), so no
+peer, and nothing a peer started (its worker pool), outlives the bench. Nothing here
+imports a deep-learning framework.
 
 CPU budget: a peer with W replicas gets W x T threads in all, whether it runs W
 processes of T threads (torch + gloo) or one process of W replicas (TensorFlow's
@@ -13,17 +16,22 @@ since JAX has no documented thread-count setting.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["run_peer", "limit_cpus", "cpu_count", "load_average", "ALLOCATOR_ENV"]
+__all__ = ["run_peer", "end_group", "sigterm_exits", "limit_cpus", "cpu_count", "load_average", "ALLOCATOR_ENV"]
+
+# seconds a peer's group gets to end after SIGTERM before it is killed
+END_GRACE_S = 3.0
 
 # glibc malloc, left to its defaults, decides from the history of a process whether a
 # step's multi-megabyte buffers come from fresh pages (a page fault per 4 KiB, every
@@ -61,6 +69,54 @@ def limit_cpus(count: int) -> Optional[list]:
     return chosen
 
 
+@contextlib.contextmanager
+def sigterm_exits():
+    """Within the block, SIGTERM raises ``SystemExit(143)`` in this process instead of
+    ending it on the spot, so ``finally`` blocks (those that end the peers) run, as they
+    do for Ctrl-C's ``KeyboardInterrupt``. Only in the main thread, and only where SIGTERM
+    has its default action (a handler someone installed is left alone)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):  # the group has ended already
+        pass
+
+
+def end_group(proc: subprocess.Popen, grace: float = END_GRACE_S) -> None:
+    """End ``proc``, started with ``start_new_session=True``, and every process in its
+    group (its workers, and theirs): SIGTERM to the group, up to ``grace`` seconds for
+    ``proc`` to exit, then SIGKILL to whatever of the group is left. Run after a normal
+    exit too (it ends what the peer left behind). SIGINT and SIGTERM are held back while
+    it runs (delivered right after), so a second Ctrl-C cannot cut the cleanup short."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), env: Optional[dict] = None,
              log_path: Optional[Path] = None) -> dict:
     """Run ``python -m module --plan P --out R *args``; returns what happened and the
@@ -83,11 +139,10 @@ def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), 
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            end_group(proc, grace=0)
             output, _ = proc.communicate()
+        finally:  # returned, timed out, raised, Ctrl-C, SIGTERM: the peer's group ends here
+            end_group(proc)
         seconds = time.perf_counter() - start
         result = json.loads(out_path.read_text()) if out_path.exists() else None
     if log_path is not None:

@@ -2,7 +2,9 @@
 
 Peers run one after the other, never side by side, so none takes cores from another.
 A peer that is not installed is skipped with a note; one that fails or times out is
-reported with the tail of its output, and the rest of the bench still runs.
+reported with the tail of its output, and the rest of the bench still runs. Interrupted
+(Ctrl-C, or SIGTERM, which ends the bench with exit status 143), the bench ends the
+running peer and everything it started before it exits (:func:`~.peers.run_peer`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import plan as plans
-from .peers import cpu_count, load_average, run_peer
+from .peers import cpu_count, load_average, run_peer, sigterm_exits
 
 __all__ = ["run_bench"]
 
@@ -41,6 +43,11 @@ def _runs(plan: dict):
 
 
 def run_bench(plan: dict, out: Path, say: Callable[[str], None] = print, command: Optional[str] = None) -> dict:
+    with sigterm_exits():  # so that SIGTERM, like Ctrl-C, ends the running peer's processes
+        return _run_bench(plan, out, say, command)
+
+
+def _run_bench(plan: dict, out: Path, say: Callable[[str], None], command: Optional[str]) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
