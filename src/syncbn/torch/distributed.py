@@ -3,9 +3,16 @@
 Everything else in syncbn asks this module how large a process group is and hands it
 a flat tensor to sum across the group. Keeping the collectives here makes it easy to
 see (and to test) that every layer call issues exactly one of them each way.
+
+"Not distributed" is decided here too (:func:`group_size` is 1): a process that the
+environment places in a larger job (``WORLD_SIZE`` > 1, as ``torchrun`` sets it) but
+that never called ``torch.distributed.init_process_group`` gets a warning, once.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,7 +27,11 @@ __all__ = [
     "all_reduce_sum",
     "all_gather",
     "broadcast",
+    "reset_not_initialized_warning",
 ]
+
+# set once this process was warned that WORLD_SIZE > 1 but no process group exists
+_warned_not_initialized = False
 
 
 def is_initialized() -> bool:
@@ -29,10 +40,54 @@ def is_initialized() -> bool:
 
 
 def group_size(group=None) -> int:
-    """Number of ranks in ``group`` (the default group when None); 1 when not distributed."""
+    """Number of ranks in ``group`` (the default group when None); 1 when not distributed
+    (with a warning, once per process, where ``WORLD_SIZE`` > 1 says it should be)."""
     if not is_initialized():
+        if not _warned_not_initialized:  # after the warning: one global read per call
+            _warn_if_launched()
         return 1
     return dist.get_world_size(group)
+
+
+# torch.compile runs this at trace time instead of tracing it (a warning would break the
+# graph): the warning then comes when the layer is compiled, and the flag it sets makes
+# the next call recompile once, without the check.
+@torch.compiler.assume_constant_result
+def _warn_if_launched() -> bool:
+    """Warn once per process when ``WORLD_SIZE`` > 1 but no process group exists;
+    returns whether it warned.
+
+    The layers ask :func:`group_size` only when training, so this is where a job started
+    by torchrun (or any launcher that sets ``WORLD_SIZE``) that forgot
+    ``init_process_group`` would otherwise normalize each rank's batch alone, silently.
+    Reads the environment only: no collective, no device work.
+    """
+    global _warned_not_initialized
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    if world <= 1:
+        return False
+    _warned_not_initialized = True
+    warnings.warn(
+        f"syncbn: the environment says this process is one of {world} (WORLD_SIZE={world}), "
+        "but torch.distributed is not initialized, so batch statistics are computed on this "
+        "process alone, not synchronized across ranks. Call "
+        "torch.distributed.init_process_group(...) before training, or unset WORLD_SIZE to "
+        "train on one process. (Warned once per process.)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+def reset_not_initialized_warning() -> None:
+    """Forget that the once-per-process warning of :func:`group_size` was given, so the
+    next training call without a process group under ``WORLD_SIZE`` > 1 warns again
+    (for tests)."""
+    global _warned_not_initialized
+    _warned_not_initialized = False
 
 
 def group_rank(group=None) -> int:
