@@ -66,12 +66,14 @@ __all__ = sorted(_TORCH_NAMES) + ["__version__"]
 _moved.install()
 
 
-def __getattr__(name):
-    if name not in _TORCH_NAMES:
-        raise AttributeError(f"module 'syncbn' has no attribute {name!r}")
-    value = getattr(import_module("syncbn.torch"), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # type checkers see the imports above, and an unknown name as an error
+
+    def __getattr__(name):
+        if name not in _TORCH_NAMES:
+            raise AttributeError(f"module 'syncbn' has no attribute {name!r}")
+        value = getattr(import_module("syncbn.torch"), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__():
