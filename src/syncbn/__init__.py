@@ -28,6 +28,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
     from .torch import (
+        BatchNormNd,
         LayerMismatchError,
         SyncBatchNorm,
         SyncBatchNormAct,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 
 # public names, all defined by syncbn.torch (imported on first use)
 _TORCH_NAMES = (
+    "BatchNormNd",
     "LayerMismatchError",
     "SyncBatchNorm",
     "SyncBatchNormAct",

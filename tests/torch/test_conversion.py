@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import syncbn
+from syncbn.torch import BatchNormNd
 from verify_models import BasicBlock  # the same torchvision-style block the verify tests use
 from torch_compat import torch_batchnorm
 
@@ -97,7 +98,7 @@ def test_top_level_and_torch_syncbn_are_converted():
     torch_sync = nn.SyncBatchNorm(3, momentum=0.3, eps=1e-3)
     ours = syncbn.convert_sync_batchnorm(torch_sync)
     assert isinstance(ours, syncbn.SyncBatchNorm) and ours.momentum == 0.3 and ours.eps == 1e-3
-    assert type(syncbn.revert_sync_batchnorm(ours)) is nn.BatchNorm2d
+    assert type(syncbn.revert_sync_batchnorm(ours)) is BatchNormNd  # takes any rank, as it did
 
 
 class BatchNormAct(nn.BatchNorm2d):

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
+from syncbn.torch import BatchNormNd
 from torch_compat import torch_batchnorm
 
 FIELDS = ("num_features", "eps", "momentum", "affine", "track_running_stats")
@@ -28,6 +29,7 @@ CONFIGS = [
     (nn.BatchNorm2d, dict(num_features=3, eps=1e-4, momentum=0.7, bias=False)),
     (nn.BatchNorm1d, dict(num_features=2, momentum=None, affine=False, track_running_stats=False)),
     (nn.SyncBatchNorm, dict(num_features=3, eps=5e-4, momentum=0.4)),
+    (BatchNormNd, dict(num_features=4, eps=2e-3, momentum=0.15, bias=False)),
 ]
 CONFIG_IDS = [f"{cls.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for cls, kw in CONFIGS]
 
@@ -96,7 +98,8 @@ def expected_group(bn, given):
 
 
 def plain_class(cls):
-    return nn.BatchNorm2d if cls is nn.SyncBatchNorm else cls
+    """What revert gives back: the rank-specific class, else the any-rank BatchNormNd."""
+    return BatchNormNd if cls is nn.SyncBatchNorm else cls
 
 
 @pytest.mark.parametrize("given", [None, Group("given")], ids=["default-group", "explicit-group"])
@@ -210,7 +213,7 @@ def test_fusing_a_converted_layer_keeps_its_group_and_fields():
     dict(eps=1e-5, momentum=0.6, track_running_stats=False, bias=False),
 ], ids=["momentum0.3", "no-affine", "untracked-no-bias"])
 def test_standalone_fused_layer_reverts_to_batchnorm_and_its_activation(name, param, act_cls, attr, kwargs):
-    """A SyncBatchNormAct built directly becomes Sequential(BatchNorm2d, activation),
+    """A SyncBatchNormAct built directly becomes Sequential(BatchNormNd, activation),
     with the activation's parameter and every batch-norm field and tensor."""
     layer = syncbn.SyncBatchNormAct(4, name, param, process_group=Group("own"), **kwargs)
     with torch.no_grad():
@@ -219,7 +222,7 @@ def test_standalone_fused_layer_reverts_to_batchnorm_and_its_activation(name, pa
     want, before = fields(layer), snapshot(layer)
     back = syncbn.revert_sync_batchnorm(layer)
     assert type(back) is nn.Sequential and len(back) == 2
-    assert type(back[0]) is nn.BatchNorm2d and fields(back[0]) == want
+    assert type(back[0]) is BatchNormNd and fields(back[0]) == want
     assert_same_state(back[0], before)
     assert type(back[1]) is act_cls
     if attr is not None:

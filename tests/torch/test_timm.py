@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
 import torchvision_shim
-from test_convert import _seeded
+from test_conversion import _seeded
 from workers import group_of, in_group
 
 torchvision_shim.install()  # here too: the pool's workers import this module, not conftest

@@ -12,7 +12,8 @@ imports only those above it):
 - :mod:`~syncbn.torch.functional`: :func:`~syncbn.torch.functional.sync_batch_norm` and
   its autograd function;
 - :mod:`~syncbn.torch.batchnorm`, :mod:`~syncbn.torch.batchnorm_act`: the modules
-  :class:`SyncBatchNorm` and :class:`SyncBatchNormAct`;
+  :class:`SyncBatchNorm` and :class:`SyncBatchNormAct`, and :class:`BatchNormNd`, the
+  plain any-rank batch norm that a revert gives back;
 - :mod:`~syncbn.torch.conversion`: model conversion, its inverse and layer naming;
 - :mod:`~syncbn.torch.groups`, :mod:`~syncbn.torch.precise_bn`: sync groups and precise
   running statistics;
@@ -23,7 +24,7 @@ imports only those above it):
 
 from ..core.fingerprint import LayerMismatchError
 from . import functional
-from .batchnorm import SyncBatchNorm
+from .batchnorm import BatchNormNd, SyncBatchNorm
 from .batchnorm_act import SyncBatchNormAct
 from .conversion import convert_sync_batchnorm, fuse_batchnorm_act, name_layers, register_conversion, revert_sync_batchnorm
 from .fingerprint import check_agreement
@@ -37,6 +38,7 @@ convert = convert_sync_batchnorm
 revert = revert_sync_batchnorm
 
 __all__ = [
+    "BatchNormNd",
     "LayerMismatchError",
     "SyncBatchNorm",
     "SyncBatchNormAct",

@@ -1,4 +1,5 @@
-"""``syncbn.SyncBatchNorm``: the module form of :func:`syncbn.functional.sync_batch_norm`."""
+"""``syncbn.SyncBatchNorm``: the module form of :func:`syncbn.functional.sync_batch_norm`;
+``syncbn.torch.BatchNormNd``: its plain, single-process counterpart for inputs of any rank."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import distributed
 from .functional import check_input, recomputing, sync_batch_norm
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["BatchNormNd", "SyncBatchNorm"]
 
 # torch.nn's batch norms take a keyword-only ``bias`` in recent releases only
 _BIAS_KEYWORD = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -138,3 +139,28 @@ class SyncBatchNorm(_SyncNormBase):
         if self.process_group is not None:
             text += ", process_group=custom"
         return text
+
+
+class BatchNormNd(_BatchNorm):
+    r"""Plain batch normalization for inputs of any rank: ``torch.nn.BatchNorm1d/2d/3d``
+    in one class, as ``torch.nn.SyncBatchNorm`` is for the synchronized layer.
+
+    The forward is torch's own ``_BatchNorm.forward`` (``F.batch_norm`` on the local
+    batch, never a collective), so the layer computes exactly what
+    ``torch.nn.BatchNorm{1,2,3}d`` computes for an input of that rank and exports like
+    them; only the input check differs: (N, C) and (N, C, \*) are accepted, as
+    ``torch.nn.SyncBatchNorm`` accepts them. Arguments, fields and ``state_dict`` are
+    those of ``torch.nn.BatchNorm2d``.
+
+    :func:`syncbn.revert_sync_batchnorm` gives a layer back as this class when it does
+    not know a rank-specific class it came from: a ``torch.nn.SyncBatchNorm`` (MONAI's
+    ``norm="syncbatch"``, ...), a :class:`syncbn.SyncBatchNorm` built directly, another
+    library's rank-agnostic batch norm (mmengine's ``_BatchNormXd``). It is a plain batch
+    norm to every converter: :func:`syncbn.convert_sync_batchnorm` turns it into
+    :class:`syncbn.SyncBatchNorm` (and revert gives this class again), torch's and timm's
+    ``convert_sync_batchnorm`` into ``torch.nn.SyncBatchNorm``.
+    """
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:  # torch.nn.SyncBatchNorm's check and message
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")

@@ -33,15 +33,17 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from . import fingerprint
-from .batchnorm import SyncBatchNorm, _SyncNormBase
+from .batchnorm import BatchNormNd, SyncBatchNorm, _SyncNormBase
 from .batchnorm_act import SyncBatchNormAct
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_act", "register_conversion", "name_layers"]
 
 # classes whose forward is plain batch norm over the whole batch
-_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, BatchNormNd)
 _FORWARDS = {cls.forward for cls in _PLAIN_BN} | {_BatchNorm.forward}
-_REVERT_DEFAULT = nn.BatchNorm2d
+# what revert gives back: the rank-specific torch class a layer came from, if any; else
+# (origin unknown or rank-agnostic) BatchNormNd, which takes every input the layer took
+_RANKED_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # per-module hooks that a move of the parameters and buffers into a new module would drop
 _HOOK_DICTS = (
@@ -191,10 +193,11 @@ def _classify(m: nn.Module, name: str = ""):
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool = False) -> nn.Module:
-    """Return ``module`` with every BatchNorm1d/2d/3d and ``torch.nn.SyncBatchNorm``
-    replaced by :class:`syncbn.SyncBatchNorm` on ``process_group``, and every layer of a
-    class registered with :func:`register_conversion` (timm's norm-act layers, when
-    timm is imported) by its registered synchronized form.
+    """Return ``module`` with every BatchNorm1d/2d/3d, ``torch.nn.SyncBatchNorm`` and
+    :class:`syncbn.torch.BatchNormNd` (and any other ``_BatchNorm`` subclass that keeps
+    torch's ``forward``) replaced by :class:`syncbn.SyncBatchNorm` on ``process_group``,
+    and every layer of a class registered with :func:`register_conversion` (timm's
+    norm-act layers, when timm is imported) by its registered synchronized form.
 
     Works in place on the children (like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``)
     and returns the root, which is a new module when the root itself is a BatchNorm.
@@ -252,10 +255,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Return ``module`` with every :class:`syncbn.SyncBatchNorm` back as a plain
-    ``torch.nn.BatchNorm{1,2,3}d``: the class it was converted from where known, else
-    ``BatchNorm2d`` (which one only matters for its input-dimension check). Values are
-    identical; the same parameter and buffer tensors are moved back.
+    """Return ``module`` with every :class:`syncbn.SyncBatchNorm` back as a plain batch
+    norm that takes every input the layer took: the ``torch.nn.BatchNorm1d/2d/3d`` it was
+    converted from (or the one its class derives from), else
+    :class:`syncbn.torch.BatchNormNd`, torch's plain batch norm for inputs of any rank
+    (a layer converted from ``torch.nn.SyncBatchNorm`` or from another library's
+    rank-agnostic batch norm, or a ``SyncBatchNorm`` built directly). Values are
+    identical (the same kernel); the same parameter and buffer tensors are moved back,
+    so the ``state_dict`` keys and tensors do not change.
 
     A layer made by a conversion registered with :func:`register_conversion` goes back
     through that registration's ``to_plain`` (timm's layers become timm's
@@ -308,9 +315,10 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def _plain_batchnorm(m: nn.Module) -> nn.Module:
-    origin = getattr(m, "_syncbn_origin", _REVERT_DEFAULT)
-    # the plain torch class the layer came from (a subclass reverts to its torch base)
-    cls = next((c for c in origin.__mro__ if c in _PLAIN_BN[:3]), _REVERT_DEFAULT)
+    origin = m.__dict__.get("_syncbn_origin")
+    # the rank-specific torch class the layer came from (a subclass reverts to its torch
+    # base); a layer of unknown or rank-agnostic origin takes any rank, and so does its revert
+    cls = next((c for c in getattr(origin, "__mro__", ()) if c in _RANKED_BN), BatchNormNd)
     new = cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, device="meta")
     return _move_state(m, new)
 
