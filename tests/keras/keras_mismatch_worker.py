@@ -6,7 +6,9 @@ Both workers build the same three ``SyncBatchNormalization(4)`` layers (so the s
 names); in the ``*_guarded`` scenarios their weights are trained by
 ``SkipMismatchedSteps(SGD)`` in the same step. Worker 0 calls them in order in one training step (forward and backward); worker
 1 does what the scenario says. The outcome (``ok``, or the exception's class and
-message) and the seconds it took go to ``<out>/<scenario>-<index>.json``.
+message, and whether it is a TensorFlow ``OpError``), the seconds it took and which
+layers' weights moved go to ``<out>/<scenario>-<index>.json``; in ``absent``, worker
+1 reports that it ran no step and what moved.
 
     python tests/keras_mismatch_worker.py --index I --out DIR --scenario NAME --timeout S
 """
@@ -55,10 +57,16 @@ def run_scenario(tf, strategy, scenario, index, out, timeout):
         optimizer = SkipMismatchedSteps(keras.optimizers.SGD(0.1, momentum=0.9)) if guarded else None
         if optimizer is not None:
             optimizer.build(weights)
-    before = [layer.get_weights()[2].copy() for layer in layers]
+    before = [[w.copy() for w in layer.get_weights()] for layer in layers]
+
+    def moved():
+        """Per layer: whether any of its weights (gamma, beta, moving statistics) changed."""
+        return [any(bool(np.any(w != b)) for w, b in zip(layer.get_weights(), old))
+                for layer, old in zip(layers, before)]
+
     if order is None and index == 1:
         time.sleep(timeout + 5)  # busy in its own code past the collectives' timeout
-        (out / f"{scenario}-{index}.json").write_text(json.dumps({"ok": True, "absent": True}))
+        (out / f"{scenario}-{index}.json").write_text(json.dumps({"ok": True, "absent": True, "moved": moved()}))
         return
     x = tf.constant(np.random.default_rng(index).normal(size=(6, 4)).astype(np.float32))
 
@@ -84,9 +92,10 @@ def run_scenario(tf, strategy, scenario, index, out, timeout):
         grad = run(x)
         outcome = {"ok": True, "finite": bool(np.all(np.isfinite(np.asarray(grad))))}
     except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-        outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000]}
+        outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
+                   "tf_error": isinstance(exc, tf.errors.OpError)}
     outcome["seconds"] = round(time.monotonic() - start, 2)
-    outcome["moved"] = [bool(np.any(layer.get_weights()[2] != b)) for layer, b in zip(layers, before)]
+    outcome["moved"] = moved()
     if guarded:
         outcome["gamma"] = [layer.get_weights()[0].tolist() for layer in layers]
         outcome["iterations"] = int(optimizer.iterations.numpy())

@@ -1,13 +1,17 @@
 """Backend-independent checks of ``syncbn.keras`` that need no distribution: a frozen
 layer (``trainable=False``) called with ``training=True`` normalizes with its moving
-statistics, as Keras's own layer does; and ``convert`` keeps every configuration field
-and every weight of each BatchNormalization it replaces.
+statistics, as Keras's own layer does; ``convert`` keeps every configuration field
+and every weight of each BatchNormalization it replaces; ``revert(convert(model))``
+is the original again, field by field, for every kind of model ``convert`` handles;
+``model.summary()`` and a ``.keras`` file name the synchronized class.
 
 Run by ``test_keras_roundtrip.py`` once per backend (torch blocked):
     KERAS_BACKEND=jax python tests/keras_roundtrip_checks.py --out R.json --checks NAME...
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -184,6 +188,383 @@ def convert_keeps_every_config_field_and_weight():
         assert comparable(again.get_config()) == comparable(new.get_config()), config["name"]
     info["bare"] = len(configs)
     return info
+
+
+# --------------------------------------------------------------------------- revert
+
+
+def every_layer(root):
+    """``root`` and every layer reachable from it, in a fixed order: through Keras's
+    layer tracking and, independently of it, through public attributes, lists, tuples
+    and dicts (so a layer left in an untracked attribute is found too)."""
+    import keras
+
+    found, seen = [], set()
+
+    def visit(value):
+        if isinstance(value, keras.layers.Layer):
+            if id(value) in seen:
+                return
+            seen.add(id(value))
+            found.append(value)
+            for layer in value._flatten_layers(include_self=False, recursive=False):
+                visit(layer)
+            for name, item in vars(value).items():
+                if not name.startswith("_"):  # Keras's own state (a Sequential's inner Functional)
+                    visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    visit(root)
+    return found
+
+
+def kinds(model):
+    """(plain BatchNormalization, SyncBatchNormalization) layers anywhere in ``model``."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    layers = every_layer(model)
+    return (sum(type(layer) is keras.layers.BatchNormalization for layer in layers),
+            sum(isinstance(layer, SyncBatchNormalization) for layer in layers))
+
+
+def snapshot(model):
+    """Everything ``revert(convert(model))`` must give back: per layer (in
+    :func:`every_layer`'s order) its class, name, full ``get_config()``, built and
+    trainable flags and its weights' paths; per weight its path, name, dtype,
+    trainable flag and value."""
+    layers = [(type(layer), layer.name, layer.get_config(), layer.built, layer.trainable,
+               [w.path for w in layer.weights]) for layer in every_layer(model)]
+    weights = [(w.path, w.name, str(w.dtype), w.trainable, np.array(w.numpy())) for w in model.weights]
+    return layers, weights
+
+
+def differences(a, b, path=""):
+    """Where two configs differ: ``path: a != b`` for each differing leaf."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = list(a) + [k for k in b if k not in a]
+        return [d for k in keys for d in differences(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        if type(a) is not type(b):
+            return [f"{path or '.'}: {type(a).__name__} != {type(b).__name__}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path or '.'}: {a!r} != {b!r}"]
+
+
+def as_saved(snap):
+    """A snapshot with each config as a file holds it (JSON: tuples become lists)."""
+    layers, weights = snap
+    return [(*layer[:2], json.loads(json.dumps(layer[2])), *layer[3:]) for layer in layers], weights
+
+
+def assert_same_snapshot(got, want, where):
+    """Field by field; a weight must equal its original exactly and be finite
+    (``assert_array_equal`` alone takes NaN for NaN)."""
+    got_layers, got_weights = got
+    want_layers, want_weights = want
+    assert len(got_layers) == len(want_layers), (where, [l[:2] for l in got_layers], [l[:2] for l in want_layers])
+    fields = ("class", "name", "get_config()", "built", "trainable", "weight paths")
+    for a, b in zip(got_layers, want_layers):
+        for field, x, y in zip(fields, a, b):
+            assert x == y, f"{where}: layer {b[1]!r}: {field} differs (got != original): {differences(x, y)}"
+    assert len(got_weights) == len(want_weights), (where, len(got_weights), len(want_weights))
+    fields = ("path", "name", "dtype", "trainable")
+    for a, b in zip(got_weights, want_weights):
+        for field, x, y in zip(fields, a, b):
+            assert x == y, f"{where}: weight {b[0]!r}: {field} is {x!r}, the original's {y!r}"
+        assert np.all(np.isfinite(a[4])), f"{where}: weight {b[0]!r} is not finite"
+        np.testing.assert_array_equal(a[4], b[4], err_msg=f"{where}: weight {b[0]!r}")
+
+
+def assert_round_trip(model, where, bn_count, rng, synchronized=False):
+    """``convert`` synchronizes all ``bn_count`` BatchNormalization layers (so the round
+    trip is not vacuous) and keeps every weight's path, ``revert`` gives the original
+    back field by field in new variables, neither changes its argument, and no
+    SyncBatchNormalization is left. With ``synchronized``, ``model``'s layers are
+    SyncBatchNormalization and the trip is ``convert(revert(model))``."""
+    from syncbn.keras import convert, revert
+
+    for layer in every_layer(model):
+        if layer.built and layer.weights and not layer._layers:
+            randomize(layer, rng)
+    before = snapshot(model)
+    plain, synced = (bn_count, 0), (0, bn_count)
+    first, second = (revert, convert) if synchronized else (convert, revert)
+    assert kinds(model) == (synced if synchronized else plain), (where, kinds(model))
+    middle = first(model)
+    assert kinds(middle) == (plain if synchronized else synced), (where, first.__name__, kinds(middle))
+    assert [w.path for w in middle.weights] == [w.path for w in model.weights], (
+        where, first.__name__, [w.path for w in middle.weights], [w.path for w in model.weights])
+    back = second(middle)
+    assert kinds(back) == kinds(model), (where, second.__name__, kinds(back))
+    assert kinds(middle) == (plain if synchronized else synced), (where, f"{second.__name__} changed its argument")
+    assert_same_snapshot(snapshot(back), before, where)
+    assert_same_snapshot(snapshot(model), before, f"{where} (the original afterwards)")
+    ids = {id(w) for w in model.weights}
+    assert not any(id(w) in ids for w in back.weights), f"{where}: the copy shares a variable with the original"
+    return back
+
+
+def block_class():
+    """A custom layer holding BatchNormalization layers in an attribute, a list and a
+    dict (``units`` in its config), or SyncBatchNormalization ones with
+    ``synchronized=True``."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class Block(keras.layers.Layer):
+        def __init__(self, units, synchronized=False, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+            self.synchronized = synchronized
+            norm = SyncBatchNormalization if synchronized else keras.layers.BatchNormalization
+            self.dense = keras.layers.Dense(units, name="dense")
+            self.bn = norm(momentum=0.8, name="bn_attribute")
+            self.in_list = [norm(epsilon=1e-2, name="bn_in_list")]
+            self.in_dict = {"last": norm(center=False, name="bn_in_dict")}
+
+        def call(self, x, training=None):
+            h = self.bn(self.dense(x), training=training)
+            return self.in_dict["last"](self.in_list[0](h, training=training), training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "units": self.units, "synchronized": self.synchronized}
+
+    return Block
+
+
+def backbone_class():
+    """A Functional subclass in the keras_hub ``Backbone`` pattern: it builds its own
+    graph (every layer named) and serializes its constructor's arguments."""
+    import keras
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class Backbone(keras.Model):
+        def __init__(self, width, **kwargs):
+            inputs = keras.Input((4, 3), name="features")
+            x = keras.layers.Dense(width, name="embed")(inputs)
+            x = keras.layers.BatchNormalization(momentum=0.7, name="embed_norm")(x)
+            x = keras.layers.BatchNormalization(axis=1, epsilon=1e-4, name="time_norm")(x)
+            outputs = keras.layers.Dense(2, name="head")(x)
+            super().__init__(inputs, outputs, **kwargs)
+            self.width = width
+
+        def get_config(self):
+            return {"width": self.width, "name": self.name, "trainable": self.trainable}
+
+    return Backbone
+
+
+@check
+def revert_sequential():
+    """A Sequential model, built (with an Input) and unbuilt (no Input, never called),
+    every BatchNormalization argument away from its default once."""
+    import keras
+
+    rng = np.random.default_rng(30)
+    for built in (True, False):
+        layers = [keras.layers.Dense(3, name="dense")]
+        layers += [keras.layers.BatchNormalization(**config) for config in bn_configs()]
+        model = keras.Sequential(([keras.Input((4, 3))] if built else []) + layers, name="seq")
+        assert model.built is built
+        reverted = assert_round_trip(model, f"sequential built={built}", len(bn_configs()), rng)
+        assert reverted.built is built
+    return {"bn_layers": len(bn_configs())}
+
+
+@check
+def revert_functional_nested():
+    """A Functional model holding a nested Sequential model, a nested Functional model
+    (channels-first BN) and a BN called twice, its inputs unnamed: layer names
+    (``input_layer``) come back too."""
+    import keras
+
+    rng = np.random.default_rng(31)
+    inner_seq = keras.Sequential([keras.layers.Dense(3, name="inner_dense"),
+                                  keras.layers.BatchNormalization(momentum=0.5, name="inner_bn")], name="inner_seq")
+    sub_in = keras.Input((4, 3))
+    sub_out = keras.layers.BatchNormalization(axis=1, scale=False, name="sub_bn")(sub_in)
+    sub_model = keras.Model(sub_in, sub_out, name="sub_model")
+
+    inputs = keras.Input((4, 3))
+    x = keras.layers.BatchNormalization(name="top_bn")(inputs)
+    x = inner_seq(x)
+    x = sub_model(x)
+    shared = keras.layers.BatchNormalization(renorm=True, name="shared_bn")
+    x = shared(shared(x))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(x), name="outer")
+    reverted = assert_round_trip(model, "functional with nested models", 4, rng)
+    x = rng.standard_normal((5, 4, 3)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(reverted(x, training=False)), np.asarray(model(x, training=False)))
+    return {"bn_layers": 4}
+
+
+@check
+def revert_functional_subclass():
+    """A Functional subclass (keras_hub ``Backbone`` pattern) comes back as its own
+    class, rebuilt through its ``from_config``, with its attributes."""
+    rng = np.random.default_rng(32)
+    Backbone = backbone_class()
+    model = Backbone(3, name="backbone")
+    reverted = assert_round_trip(model, "functional subclass", 2, rng)
+    assert type(reverted) is Backbone and reverted.width == 3
+    return {"bn_layers": 2}
+
+
+@check
+def revert_custom_layer():
+    """BatchNormalization layers held by a custom layer (an attribute, a list, a dict),
+    the custom layer bare (built by a call, and unbuilt) and inside a Functional model;
+    and a custom layer holding SyncBatchNormalization layers of its own, reverted."""
+    import keras
+
+    rng = np.random.default_rng(33)
+    Block = block_class()
+    block = Block(3, name="block")
+    assert_round_trip(block, "custom layer unbuilt", 3, rng)
+    block(rng.standard_normal((5, 3)).astype(np.float32))
+    assert_round_trip(block, "custom layer built", 3, rng)
+    inputs = keras.Input((3,), name="x")
+    model = keras.Model(inputs, Block(3, name="block")(keras.layers.BatchNormalization(name="bn")(inputs)))
+    assert_round_trip(model, "custom layer in a Functional model", 4, rng)
+    # A custom layer that makes SyncBatchNormalization layers itself: revert replaces
+    # them (they are not rebuilt from the config), under the same weight paths.
+    block = Block(3, synchronized=True, name="block")
+    block(rng.standard_normal((5, 3)).astype(np.float32))
+    assert_round_trip(block, "custom layer of SyncBatchNormalization", 3, rng, synchronized=True)
+    return {"bn_layers": 4}
+
+
+@check
+def revert_bare_layer():
+    """A bare SyncBatchNormalization gives a BatchNormalization, built and unbuilt,
+    for every configuration of ``bn_configs``; a plain one is copied as it is."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, revert
+
+    rng = np.random.default_rng(34)
+    for config in bn_configs():
+        bn = keras.layers.BatchNormalization(**config)
+        assert_round_trip(bn, f"{config['name']} unbuilt", 1, rng)
+        bn.build((None, 4, 3))
+        assert_round_trip(bn, f"{config['name']} built", 1, rng)
+    plain = revert(bn)
+    assert type(plain) is keras.layers.BatchNormalization and not isinstance(plain, SyncBatchNormalization)
+    return {"configs": len(bn_configs())}
+
+
+@check
+def revert_runs_as_plain_batch_norm():
+    """The reverted model has no SyncBatchNormalization left: in training, with a
+    batch far from the moving statistics, its output and its moving statistics after
+    one step are exactly those of the original plain model (the same layer code)."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(35)
+    Block = block_class()
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, Block(3)(keras.layers.BatchNormalization()(inputs)))
+    for layer in every_layer(model):
+        if layer.weights and not layer._layers:
+            randomize(layer, rng)
+    reverted = revert(convert(model))
+    assert kinds(reverted) == (4, 0), kinds(reverted)
+    x = (rng.standard_normal((8, 3)) * 2 + 3).astype(np.float32)
+    got = np.asarray(keras.ops.convert_to_numpy(reverted(x, training=True)))
+    want = np.asarray(keras.ops.convert_to_numpy(model(x, training=True)))
+    assert np.all(np.isfinite(want))
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(reverted.weights, model.weights):
+        np.testing.assert_array_equal(np.asarray(a.numpy()), np.asarray(b.numpy()), err_msg=a.path)
+    return {}
+
+
+@check
+def summary_names_the_synchronized_class():
+    """``model.summary()`` shows a converted layer as ``SyncBatchNormalization`` (nested
+    ones too) and a reverted one as ``BatchNormalization``."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(name="inner_bn")], name="inner")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, inner(keras.layers.BatchNormalization(name="top_bn")(inputs)))
+
+    def summary(m):
+        lines = []
+        m.summary(expand_nested=True, line_length=120, print_fn=lambda text, **kwargs: lines.append(text))
+        return "\n".join(lines)
+
+    def row(text, name):
+        rows = [line for line in text.splitlines() if f"{name} (" in line]
+        assert len(rows) == 1, (name, text)
+        return rows[0]
+
+    synced, plain = summary(convert(model)), summary(revert(convert(model)))
+    for name in ("top_bn", "inner_bn"):
+        assert f"{name} (SyncBatchNormalization)" in row(synced, name), row(synced, name)
+        assert f"{name} (BatchNormalization)" in row(plain, name), row(plain, name)
+    return {"row": row(synced, "top_bn").strip()}
+
+
+@check
+def keras_file_keeps_the_synchronized_class():
+    """A converted model saved to ``.keras`` loads back with SyncBatchNormalization
+    layers (its registered name, ``syncbn>SyncBatchNormalization``), the same configs
+    and weights, and predicts the same; a ``.weights.h5`` file moves between the plain
+    model and the converted one through ``revert`` and ``convert``."""
+    import os
+    import tempfile
+
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    rng = np.random.default_rng(36)
+
+    def build():
+        inputs = keras.Input((4, 3), name="x")
+        x = keras.layers.BatchNormalization(momentum=0.5, name="bn_a")(keras.layers.Dense(3, name="dense")(inputs))
+        return keras.Model(inputs, keras.layers.BatchNormalization(axis=1, renorm=True, name="bn_b")(x), name="net")
+
+    plain = build()
+    for layer in plain.layers:
+        if layer.weights:
+            randomize(layer, rng)
+    synced = convert(plain)
+    data = rng.standard_normal((5, 4, 3)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        synced.save(path)
+        loaded = keras.models.load_model(path)
+        for name in ("bn_a", "bn_b"):
+            assert type(loaded.get_layer(name)) is SyncBatchNormalization, type(loaded.get_layer(name))
+        assert_same_snapshot(as_saved(snapshot(loaded)), as_saved(snapshot(synced)), ".keras file")
+        np.testing.assert_array_equal(np.asarray(loaded(data, training=False)), np.asarray(synced(data, training=False)))
+
+        # a plain checkpoint into a synchronized model and back, through convert / revert
+        weights = os.path.join(tmp, "w.weights.h5")
+        plain.save_weights(weights)
+        fresh = build()
+        fresh.load_weights(weights)
+        assert_same_snapshot(snapshot(convert(fresh)), snapshot(synced), "plain weights file, converted")
+        revert(loaded).save_weights(weights)
+        fresh = build()
+        fresh.load_weights(weights)
+        assert_same_snapshot(snapshot(fresh), snapshot(plain), "weights file of the reverted model")
+    return {}
 
 
 if __name__ == "__main__":

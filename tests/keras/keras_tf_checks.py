@@ -582,6 +582,47 @@ def fit_matches_single_device():
 
 
 @check
+def revert_trains_per_replica():
+    """``revert(convert(model))`` under MirroredStrategy(2) has no SyncBatchNormalization
+    left and trains as Keras's plain layer (each replica normalizes with its own
+    batch): after ``fit`` its weights are those of the plain model trained alike, and
+    far from those of the converted model trained alike (so the check tells the two
+    apart)."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((64, 8, 8, 3)) * [1.0, 2.0, 0.5] + [3.0, -1.0, 5.0]).astype(np.float32)
+    y = rng.integers(0, 3, 64)
+    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+
+    def train(kind):
+        with mirrored(2).scope():
+            model = small_convnet(keras.layers.BatchNormalization)
+            model.set_weights(initial)
+            if kind != "plain":
+                model = convert(model)
+            if kind == "reverted":
+                model = revert(model)
+                left = [layer.name for layer in all_layers(model) if isinstance(layer, SyncBatchNormalization)]
+                assert not left, left
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    plain, reverted, converted = train("plain"), train("reverted"), train("converted")
+    diff_reverted = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(plain, reverted))
+    diff_converted = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(plain, converted))
+    # The same layer code on the same replica batches: equal up to the order of sums.
+    assert diff_reverted <= 1e-6, diff_reverted
+    assert diff_converted > 1e-3, diff_converted
+    return {"max_weight_difference_reverted_vs_plain": diff_reverted,
+            "max_weight_difference_converted_vs_plain": diff_converted}
+
+
+@check
 def bad_input_errors():
     """Wrong axis, channel mismatch, non-float input, wrong mask: clear errors, raised
     the same way on every replica (they depend only on shapes and dtypes)."""
@@ -815,17 +856,20 @@ def convert_resnet_style():
 
 @check
 def convert_weights_files_and_classes():
-    """``.weights.h5`` files load both ways between a model and ``convert(model)`` (a
-    checkpoint from before the conversion, and a synchronized model trained and then
-    deployed plainly); a Functional subclass keeps its class, attributes and overridden
-    methods; only exact BatchNormalization layers are replaced, subclasses (a frozen BN,
-    one with an extra constructor argument) are kept and named in a warning."""
+    """``.weights.h5`` files move both ways between a model and ``convert(model)``
+    through ``convert`` and ``revert`` (a checkpoint from before the conversion loaded,
+    then converted; a synchronized model trained, then reverted and saved for plain
+    deployment), and loading one directly into the other kind fails loudly (the file
+    names a layer's group after its class); a Functional subclass keeps its class,
+    attributes and overridden methods; only exact BatchNormalization layers are
+    replaced, subclasses (a frozen BN, one with an extra constructor argument) are kept
+    and named in a warning."""
     import warnings
 
     import keras
     import tensorflow as tf
 
-    from syncbn.keras import SyncBatchNormalization, convert
+    from syncbn.keras import SyncBatchNormalization, convert, revert
 
     rng = np.random.default_rng(15)
     data = (rng.standard_normal((8, 8, 8, 3)) * 2 + 1).astype(np.float32)
@@ -841,15 +885,29 @@ def convert_weights_files_and_classes():
         path = os.path.join(tmp, "w.weights.h5")
         for direction in ("plain to synchronized", "synchronized to plain"):
             plain = trained(small_convnet(keras.layers.BatchNormalization, seed=1))
-            synced = convert(plain)
-            trained(synced)
+            synced = trained(convert(plain))
             source, target = (plain, synced) if direction.startswith("plain") else (synced, plain)
             source.save_weights(path)
-            target.load_weights(path)
+            try:
+                target.load_weights(path)
+            except ValueError as err:
+                assert "could not be loaded" in str(err), err
+            else:
+                raise AssertionError(f"{direction}: a weights file loaded directly into the other kind")
+            if direction.startswith("plain"):
+                plain.save_weights(path)
+                loaded = small_convnet(keras.layers.BatchNormalization, seed=2)
+                loaded.load_weights(path)
+                source, target = plain, convert(loaded)
+            else:
+                revert(synced).save_weights(path)
+                plain.load_weights(path)
+                source, target = synced, plain
+            assert isinstance(target.layers[2], SyncBatchNormalization) is direction.startswith("plain")
             for a, b in zip(source.get_weights(), target.get_weights()):
                 np.testing.assert_array_equal(a, b, err_msg=direction)
             np.testing.assert_array_equal(source.predict(data, verbose=0), target.predict(data, verbose=0))
-            info[direction] = "loaded"
+            info[direction] = "loaded through " + ("convert" if direction.startswith("plain") else "revert")
 
     class FrozenBN(keras.layers.BatchNormalization):
         def call(self, inputs, training=None, mask=None):

@@ -105,14 +105,23 @@ def test_skipped_last_layer_fails_on_both_workers(outcomes):
         assert outcome["seconds"] < COLLECTIVE_TIMEOUT + 30, outcome
 
 
-def test_absent_worker_times_out(outcomes):
-    """Worker 1 stays alive but runs no step: worker 0 fails after the collectives'
-    timeout (TensorFlow's DeadlineExceededError), it does not wait forever."""
-    waiting, absent = outcomes["absent"]
-    assert absent.get("absent"), absent
-    assert not waiting["ok"] and waiting["type"] == "DeadlineExceededError", waiting
-    assert COLLECTIVE_TIMEOUT - 0.5 <= waiting["seconds"] < COLLECTIVE_TIMEOUT + 30, waiting
+# What a collective that a peer never joins can end with on TensorFlow: its own timeout
+# (DeadlineExceeded), or, once the peer has exited or stopped answering (the absent
+# worker leaves a few seconds after the timeout; MultiWorkerMirroredStrategy's health
+# check aborts the collectives as Unavailable), a peer-loss error; collectives aborted
+# while pending end Cancelled or Aborted. Which one comes first depends on the load.
+PEER_LOSS_ERRORS = {"DeadlineExceededError", "UnavailableError", "CancelledError", "AbortedError"}
 
+
+def test_absent_worker_times_out(outcomes):
+    """Worker 1 stays alive but runs no step: worker 0's step ends with a TensorFlow
+    error of a timeout or a lost peer within a bounded time (it does not wait forever),
+    and nothing moved on either worker."""
+    waiting, absent = outcomes["absent"]
+    assert absent.get("absent") and absent["moved"] == [False, False, False], absent
+    assert not waiting["ok"] and waiting["tf_error"] and waiting["type"] in PEER_LOSS_ERRORS, waiting
+    assert waiting["seconds"] < COLLECTIVE_TIMEOUT + 30, waiting
+    assert waiting["moved"] == [False, False, False], waiting
 
 
 def test_xla_step_fails_to_compile_on_both_workers(outcomes):

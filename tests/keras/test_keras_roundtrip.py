@@ -1,5 +1,7 @@
 """``syncbn.keras`` without distribution, on the TensorFlow and JAX backends: a frozen
-layer uses its moving statistics, and ``convert`` keeps every config field and weight.
+layer uses its moving statistics, ``convert`` keeps every config field and weight,
+``revert(convert(model))`` is the original field by field, and ``model.summary()`` and
+``.keras`` files name the synchronized class.
 The checks run in one worker process per backend (``keras_roundtrip_checks.py``, torch
 blocked); each test below asserts one of them."""
 

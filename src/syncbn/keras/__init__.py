@@ -4,7 +4,8 @@ backends.
 - :class:`SyncBatchNormalization`: ``keras.layers.BatchNormalization`` whose training
   statistics span every replica's batch, exact for uneven and empty replicas and for
   masks, numerically stable far from zero, one collective per layer call each way.
-- :func:`convert`: a copy of a model with every BatchNormalization synchronized.
+- :func:`convert`: a copy of a model with every BatchNormalization synchronized;
+  :func:`revert`: its inverse, a copy with every one plain again.
 - :class:`SkipMismatchedSteps`, :class:`MismatchCheck`, :func:`check_agreement`: for
   TensorFlow steps compiled by XLA, where a layer disagreement across replicas cannot
   raise inside the step (see ``mismatch``).
@@ -15,11 +16,12 @@ Keras backend is torch.
 Modules, one concern each: ``moments`` (local statistics, pack and merge),
 ``replicas`` (which replicas to synchronize with and the collectives, per backend),
 ``layer`` (the layer), ``mismatch`` (the verdicts XLA cannot raise, and what acts on
-them), ``convert`` (model conversion).
+them), ``convert`` (model conversion and its inverse).
 """
 
-from .convert import convert
+from .convert import convert, revert
 from .layer import SyncBatchNormalization
 from .mismatch import MismatchCheck, SkipMismatchedSteps, allow_xla, check_agreement
 
-__all__ = ["MismatchCheck", "SkipMismatchedSteps", "SyncBatchNormalization", "allow_xla", "check_agreement", "convert"]
+__all__ = ["MismatchCheck", "SkipMismatchedSteps", "SyncBatchNormalization", "allow_xla", "check_agreement", "convert",
+           "revert"]

@@ -1,123 +1,18 @@
-"""``convert``: a copy of a Keras model whose BatchNormalization layers all synchronize."""
+"""``convert`` and ``revert``: a copy of a Keras model in which every BatchNormalization
+synchronizes, and back. One walk over the model does both; a :class:`_Swap` says which
+way."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
 
+from . import mismatch
 from .layer import SyncBatchNormalization
 
-__all__ = ["convert"]
-
-
-def _is_plain_bn(layer) -> bool:
-    """Exactly ``keras.layers.BatchNormalization``: the only class replaced. A subclass
-    may change what the layer does (a frozen BN that always normalizes with its moving
-    statistics, an extra constructor argument), which a synchronized copy would lose."""
-    return type(layer) is keras.layers.BatchNormalization
-
-
-def _is_bn_subclass(layer) -> bool:
-    """A BatchNormalization subclass other than ours: left alone, and named in a warning."""
-    return isinstance(layer, keras.layers.BatchNormalization) and not (
-        _is_plain_bn(layer) or isinstance(layer, SyncBatchNormalization))
-
-
-def _is_graph_model(layer) -> bool:
-    """Sequential and Functional models (and their subclasses)."""
-    from keras.src.models.functional import Functional
-
-    return isinstance(layer, (keras.Sequential, Functional))
-
-
-def _is_plain_graph_model(layer) -> bool:
-    """Exactly Sequential or Functional: ``keras.models.clone_model`` rebuilds them
-    exactly. A subclass (the keras_hub ``Backbone`` / ``Task`` pattern) has its own
-    constructor, attributes and methods, which a clone into a plain Functional loses."""
-    from keras.src.models.functional import Functional
-
-    return type(layer) in (keras.Sequential, Functional)
-
-
-def sync_from(bn):
-    """A ``SyncBatchNormalization`` with ``bn``'s configuration, built like it and holding
-    copies of its weights."""
-    config = bn.get_config()
-    config.pop("synchronized", None)
-    new = SyncBatchNormalization.from_config(config)
-    if bn.built:
-        shape = [None] * bn.input_spec.ndim
-        shape[bn.axis] = bn.moving_mean.shape[0]
-        new.build(tuple(shape))
-        new.set_weights(bn.get_weights())
-    return new
-
-
-def _copy_layer(layer):
-    """A fresh copy of a layer from its config (not yet holding the weights)."""
-    try:
-        return layer.__class__.from_config(layer.get_config())
-    except Exception as err:
-        raise TypeError(
-            f"convert: cannot copy layer {layer.name!r} of type {type(layer).__name__} from "
-            f"its config ({type(err).__name__}: {err}); give it a get_config() that its "
-            f"constructor accepts"
-        ) from err
-
-
-def _swap_sublayers(layer, seen, skipped):
-    """Replace, in place, every plain BatchNormalization held by ``layer`` or by the
-    layers it holds (attributes, lists, tuples and dicts of them) with a synchronized
-    copy, and every nested Sequential / Functional model with a converted copy.
-
-    The replacement takes the old layer's slot in Keras's layer tracking, so the
-    order of ``layer.weights`` does not change.
-    """
-    if id(layer) in seen:
-        return
-    seen.add(id(layer))
-    if _is_bn_subclass(layer):
-        skipped.append(layer)
-        return
-    tracker = getattr(layer, "_tracker", None)
-    stores = [] if tracker is None else [store for _, store in tracker.config.values()]
-
-    def replace(value):
-        if _is_plain_bn(value):
-            new = sync_from(value)
-        elif _is_graph_model(value):
-            new = _convert(value, skipped)
-        else:
-            if isinstance(value, keras.layers.Layer):
-                _swap_sublayers(value, seen, skipped)
-            return value
-        if tracker is not None and tracker.is_in_store("layers", value):
-            tracker.replace_tracked_value("layers", value, new)
-        return new
-
-    for name, value in list(vars(layer).items()):
-        if any(value is store for store in stores):
-            continue  # Keras's own tracking lists; updated through the tracker
-        if isinstance(value, keras.layers.Layer):
-            new = replace(value)
-            if new is not value:
-                object.__setattr__(layer, name, new)
-        elif isinstance(value, list):
-            for i, item in enumerate(value):
-                if isinstance(item, keras.layers.Layer):
-                    new = replace(item)
-                    if new is not item:
-                        list.__setitem__(value, i, new)
-        elif isinstance(value, tuple) and any(isinstance(v, keras.layers.Layer) for v in value):
-            items = [replace(v) if isinstance(v, keras.layers.Layer) else v for v in value]
-            object.__setattr__(layer, name, type(value)(*items) if hasattr(value, "_fields") else type(value)(items))
-        elif isinstance(value, dict):
-            for key, item in list(value.items()):
-                if isinstance(item, keras.layers.Layer):
-                    new = replace(item)
-                    if new is not item:
-                        dict.__setitem__(value, key, new)
+__all__ = ["convert", "revert"]
 
 
 def convert(model):
@@ -141,101 +36,319 @@ def convert(model):
     SyncBatchNormalization; a built subclassed ``keras.Model`` is copied from its
     config, built on the original's input shape and given its weights. The original
     model is left untouched and shares nothing with the copy, whose outputs in
-    inference equal the original's. Layer names are kept (except in a subclass
-    rebuilt through its constructor, which names its layers afresh, as loading it from
-    a file does), and weights files (``.weights.h5``) load both ways between the
-    original and the copy.
+    inference equal the original's. Layer names and weight paths are kept (except in
+    a subclass rebuilt through its constructor, which names the layers it does not
+    name itself afresh, as loading it from a file does).
+
+    Weights files (``.weights.h5``) name a layer's group after its class, so a file
+    saved from the original loads into ``convert`` of a model that loaded it (load,
+    then convert), and one saved from ``revert(model)`` into the plain model.
 
     The copy is not compiled: compile it (inside ``strategy.scope()`` when training
     with a ``tf.distribute`` strategy, and build or convert it there as well so that
     its variables are mirrored).
     """
-    skipped = []
-    result = _convert(model, skipped)
-    if skipped:
-        names = sorted({f"{layer.name} ({type(layer).__name__})" for layer in skipped})
-        warnings.warn(
-            "syncbn.keras.convert left these BatchNormalization subclasses unsynchronized "
-            "(only keras.layers.BatchNormalization itself is replaced): " + "; ".join(names),
-            stacklevel=2,
-        )
-    return result
+    return _Swap.to_sync().run(model)
 
 
-def _convert(model, skipped):
-    if _is_plain_bn(model):
-        return sync_from(model)
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"convert: expected a Keras model or layer, got {type(model).__name__}")
-    if _is_bn_subclass(model):
-        skipped.append(model)
+def revert(model):
+    """The inverse of :func:`convert`: a copy of ``model`` in which every
+    :class:`SyncBatchNormalization` is a ``keras.layers.BatchNormalization`` with the
+    same configuration (``synchronized=False``) and weights, for inference or export
+    where nothing is distributed.
 
-    if not _is_plain_graph_model(model):
-        new = _copy_layer(model)
-        if model.built:
-            if not new.built:
-                _build_like(new, model)
-            new.set_weights(model.get_weights())
-        if _is_graph_model(new):
-            _sync_in_place(new, set(), skipped)
-        else:
-            _swap_sublayers(new, set(), skipped)
+    It walks the model as :func:`convert` does (a bare layer, Sequential and Functional
+    models and the models nested in them, Functional subclasses through their own
+    ``from_config``, layers held by custom layers), replaces only layers of exactly
+    :class:`SyncBatchNormalization` (a subclass of it is kept and named in a warning)
+    and leaves ``model`` untouched. ``revert(convert(model))`` has the original's
+    layer classes, configurations, layer names, weight paths and weight values
+    (``synchronized=True`` of Keras's own layer, which ``convert`` replaces, comes
+    back as ``False``).
+    """
+    return _Swap.to_plain().run(model)
+
+
+class _Swap:
+    """One direction of the swap: the exact class it replaces (``source``), the class it
+    puts in its place (``target``), and which other layers it leaves alone but names
+    in a warning (``leaves``: subclasses of ``source``, whose behaviour a copy of the
+    ``target`` class would lose)."""
+
+    def __init__(self, verb, source, target, leaves):
+        self.verb = verb
+        self.source = source
+        self.target = target
+        self._leaves = leaves
+        self.skipped = []
+        # id(layer) -> (layer, its copy): a layer met twice (shared by nested models, held
+        # in two places) gets one copy; the layer is kept so that its id stays its own.
+        self._copies = {}
+
+    @classmethod
+    def to_sync(cls):
+        return cls("convert", keras.layers.BatchNormalization, SyncBatchNormalization,
+                   leaves=lambda layer: isinstance(layer, keras.layers.BatchNormalization)
+                   and not isinstance(layer, SyncBatchNormalization))
+
+    @classmethod
+    def to_plain(cls):
+        return cls("revert", SyncBatchNormalization, keras.layers.BatchNormalization,
+                   leaves=lambda layer: isinstance(layer, SyncBatchNormalization))
+
+    def replaces(self, layer) -> bool:
+        return type(layer) is self.source
+
+    def leaves(self, layer) -> bool:
+        return not self.replaces(layer) and self._leaves(layer)
+
+    # ------------------------------------------------------------------ entry point
+
+    def run(self, model):
+        result = self.copy(model)
+        if self.skipped:
+            names = sorted({f"{layer.name} ({type(layer).__name__})" for layer in self.skipped})
+            warnings.warn(
+                f"syncbn.keras.{self.verb} left these {self.source.__name__} subclasses as they "
+                f"were (only {self.source.__name__} itself is replaced): " + "; ".join(names),
+                stacklevel=3,
+            )
+        return result
+
+    def copy(self, model):
+        """A copy of ``model`` (a layer or a model) with every ``source`` layer swapped."""
+        if self.replaces(model):
+            return self.swapped(model)
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"{self.verb}: expected a Keras model or layer, got {type(model).__name__}")
+        if self.leaves(model):
+            self.skipped.append(model)
+
+        if not _is_plain_graph_model(model):
+            new = _copy_layer(model, self.verb)
+            if model.built:
+                if not new.built:
+                    _build_like(new, model, self.verb)
+                new.set_weights(model.get_weights())
+            if _is_graph_model(new):
+                self.retype_within(new, set())
+            else:
+                self.swap_within(new, set())
+            return new
+
+        copies = []  # (original, copy) pairs whose weights are copied once the model is built
+
+        def clone(layer):
+            if id(layer) in self._copies:  # a layer shared with a model copied before
+                return self._copies[id(layer)][1]
+            if self.replaces(layer):
+                new = self.swapped(layer)
+            elif _is_graph_model(layer):
+                new = self.copy(layer)  # keeps its input names and, for a subclass, its class
+            else:
+                if self.leaves(layer):
+                    self.skipped.append(layer)
+                new = _copy_layer(layer, self.verb)
+                copies.append((layer, new))
+            self._copies[id(layer)] = (layer, new)
+            return new
+
+        inputs = None if isinstance(model, keras.Sequential) else _inputs_like(model)
+        new_model = keras.models.clone_model(model, input_tensors=inputs, clone_function=clone)
+        seen = set()
+        for old, new in copies:
+            if old.built and new.built:
+                new.set_weights(old.get_weights())
+            self.swap_within(new, seen)
+        return new_model
+
+    # ------------------------------------------------------------------ one layer
+
+    def swapped(self, bn):
+        """A ``target`` layer with ``bn``'s configuration, built like it (for the same
+        input shape, its weights under the same paths) and holding copies of its
+        weights."""
+        config = bn.get_config()
+        config.pop("synchronized", None)
+        new = self.target.from_config(config)
+        if bn.built:
+            build_config = bn.get_build_config()  # the input shape it was built for
+            with _outer_scopes(bn):
+                if build_config:
+                    new.build_from_config(build_config)
+                else:
+                    shape = [None] * bn.input_spec.ndim
+                    shape[bn.axis] = bn.moving_mean.shape[0]
+                    new.build(tuple(shape))
+            new.set_weights(bn.get_weights())
         return new
 
-    copies = []  # (original, copy) pairs whose weights are copied once the model is built
-
-    def clone(layer):
-        if _is_plain_bn(layer):
-            return sync_from(layer)
-        if _is_bn_subclass(layer):
-            skipped.append(layer)
-        new = _copy_layer(layer)
-        copies.append((layer, new))
-        return new
-
-    new_model = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    seen = set()
-    for old, new in copies:
-        if old.built and new.built:
-            new.set_weights(old.get_weights())
-        if _is_graph_model(new) and not _is_plain_graph_model(new):
-            _sync_in_place(new, seen, skipped)
+    def retype(self, bn):
+        """Make ``bn`` (a fresh copy that nothing else references) a ``target`` layer
+        without replacing the object: its variables, name and place in the graph stay.
+        ``SyncBatchNormalization`` adds no instance state of its own to
+        BatchNormalization (its constructor only validates ``axis`` and sets
+        ``synchronized`` False; under a TensorFlow strategy it turns XLA off for ``fit``
+        and keeps a record of its verdicts, which a reverted layer drops), so the object
+        is then what the ``target`` constructor would have made."""
+        bn.__class__ = self.target
+        bn.synchronized = False
+        if self.target is SyncBatchNormalization:
+            if keras.backend.backend() == "tensorflow":
+                mismatch.keep_fit_off_xla(bn)
         else:
-            _swap_sublayers(new, seen, skipped)
-    return new_model
+            bn.supports_jit = True
+            mismatch.forget(bn)
+
+    # ------------------------------------------------------------------ layers held
+
+    def swap_within(self, layer, seen):
+        """Replace, in place, every ``source`` layer held by ``layer`` or by the layers it
+        holds (attributes, lists, tuples and dicts of them) with a swapped copy, and
+        every nested Sequential / Functional model with a copy.
+
+        The replacement takes the old layer's slot in Keras's layer tracking, so the
+        order of ``layer.weights`` does not change, and a layer held in several places
+        is replaced by one copy everywhere.
+        """
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        if self.leaves(layer):
+            self.skipped.append(layer)
+            return
+        tracker = getattr(layer, "_tracker", None)
+        stores = [] if tracker is None else [store for _, store in tracker.config.values()]
+
+        def replace(value):
+            if id(value) in self._copies:  # met before, here or in another container
+                new = self._copies[id(value)][1]
+            elif self.replaces(value):
+                new = self.swapped(value)
+            elif _is_graph_model(value):
+                new = self.copy(value)
+            else:
+                if isinstance(value, keras.layers.Layer):
+                    self.swap_within(value, seen)
+                return value
+            self._copies[id(value)] = (value, new)
+            if tracker is not None and tracker.is_in_store("layers", value):
+                tracker.replace_tracked_value("layers", value, new)
+            return new
+
+        for name, value in list(vars(layer).items()):
+            if any(value is store for store in stores):
+                continue  # Keras's own tracking lists; updated through the tracker
+            if isinstance(value, keras.layers.Layer):
+                new = replace(value)
+                if new is not value:
+                    if tracker is not None and tracker.is_in_store("layers", new):
+                        # Already in the old layer's slot, so Keras's __setattr__ tracks
+                        # nothing new; on TensorFlow it points the checkpoint
+                        # dependency of this attribute at the new layer.
+                        setattr(layer, name, new)
+                    else:
+                        object.__setattr__(layer, name, new)
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, keras.layers.Layer):
+                        new = replace(item)
+                        if new is not item:
+                            list.__setitem__(value, i, new)
+            elif isinstance(value, tuple) and any(isinstance(v, keras.layers.Layer) for v in value):
+                items = [replace(v) if isinstance(v, keras.layers.Layer) else v for v in value]
+                object.__setattr__(layer, name, type(value)(*items) if hasattr(value, "_fields") else type(value)(items))
+            elif isinstance(value, dict):
+                for key, item in list(value.items()):
+                    if isinstance(item, keras.layers.Layer):
+                        new = replace(item)
+                        if new is not item:
+                            dict.__setitem__(value, key, new)
+
+    def retype_within(self, layer, seen):
+        """:meth:`retype` every ``source`` layer held by ``layer`` (a fresh copy that
+        nothing else references), at any depth."""
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        if self.replaces(layer):
+            self.retype(layer)
+            return
+        if self.leaves(layer):
+            self.skipped.append(layer)
+            return
+        for value in list(vars(layer).values()):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            for item in list(items):
+                if isinstance(item, keras.layers.Layer):
+                    self.retype_within(item, seen)
 
 
-def _sync_in_place(layer, seen, skipped):
-    """Make every exact BatchNormalization held by ``layer`` (a fresh copy that nothing
-    else references), at any depth, a SyncBatchNormalization without replacing the
-    object: its class changes, its variables, name and place in the graph stay.
-    ``SyncBatchNormalization`` adds no instance state to BatchNormalization (its
-    constructor only validates ``axis`` and drops ``synchronized``), so the object is
-    then exactly what its constructor would have made."""
-    if id(layer) in seen:
-        return
-    seen.add(id(layer))
-    if _is_plain_bn(layer):
-        layer.__class__ = SyncBatchNormalization
-        layer.synchronized = False
-        return
-    if _is_bn_subclass(layer):
-        skipped.append(layer)
-        return
-    for value in list(vars(layer).values()):
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        for item in list(items):
-            if isinstance(item, keras.layers.Layer):
-                _sync_in_place(item, seen, skipped)
+# ---------------------------------------------------------------------- helpers
 
 
-def _build_like(new, old):
+def _is_graph_model(layer) -> bool:
+    """Sequential and Functional models (and their subclasses)."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(layer, (keras.Sequential, Functional))
+
+
+def _is_plain_graph_model(layer) -> bool:
+    """Exactly Sequential or Functional: ``keras.models.clone_model`` rebuilds them
+    exactly. A subclass (the keras_hub ``Backbone`` / ``Task`` pattern) has its own
+    constructor, attributes and methods, which a clone into a plain Functional loses."""
+    from keras.src.models.functional import Functional
+
+    return type(layer) in (keras.Sequential, Functional)
+
+
+def _copy_layer(layer, verb):
+    """A fresh copy of a layer from its config (not yet holding the weights)."""
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as err:
+        raise TypeError(
+            f"{verb}: cannot copy layer {layer.name!r} of type {type(layer).__name__} from "
+            f"its config ({type(err).__name__}: {err}); give it a get_config() that its "
+            f"constructor accepts"
+        ) from err
+
+
+def _inputs_like(model):
+    """New inputs for a clone of the Functional ``model``, each a copy of its input layer
+    (``clone_model`` would name them after the input tensors, ``keras_tensor_N``,
+    where the layers are named ``input_layer_N``)."""
+    layers = {id(layer.output): layer for layer in model.layers if isinstance(layer, keras.layers.InputLayer)}
+
+    def like(x):
+        layer = layers.get(id(x))
+        if layer is None:
+            return keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name)
+        return keras.layers.InputLayer.from_config(layer.get_config()).output
+
+    return keras.tree.map_structure(like, model.input)
+
+
+def _outer_scopes(layer):
+    """The name scopes around ``layer``'s own in which its weights were made (``block``
+    for ``block/bn/gamma``, a layer built inside a custom layer ``block``), entered, so
+    that a copy built in them gets the same weight paths."""
+    stack = contextlib.ExitStack()
+    parts = layer.weights[0].path.split("/") if layer.weights else []
+    if len(parts) > 2 and parts[-2] == layer.name:
+        for part in parts[:-2]:
+            stack.enter_context(keras.name_scope(part))
+    return stack
+
+
+def _build_like(new, old, verb):
     """Build ``new`` (a fresh copy of ``old``) by calling it on symbolic inputs of the
     shapes ``old`` was built with, which builds its sublayers as a real call would."""
     shapes = getattr(old, "_build_shapes_dict", None)
     if not shapes:
         raise ValueError(
-            f"convert: {old.name!r} ({type(old).__name__}) is built but its input shape "
-            f"is unknown; convert it before building it, or wrap it in a Functional model"
+            f"{verb}: {old.name!r} ({type(old).__name__}) is built but its input shape "
+            f"is unknown; {verb} it before building it, or wrap it in a Functional model"
         )
     new(*(keras.KerasTensor(shape) for shape in shapes.values()))

@@ -91,6 +91,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     inputs with ``|mean| / std = 1e3`` give a variance within 1e-5 relative of a float64
     reference (Keras's ``synchronized=True`` computes ``E[x^2] - E[x]^2`` in float32).
 
+    Keras shows the class as ``SyncBatchNormalization`` (``model.summary()``), names
+    the layer ``sync_batch_normalization_N`` by default, and names its group in a
+    weights file (``.weights.h5``, and inside ``.keras``) after the class, so a weights
+    file moves between a plain model and its synchronized copy through
+    :func:`syncbn.keras.convert` and :func:`syncbn.keras.revert` (load into the model
+    of its own kind, then convert or revert), not directly.
+
     Args: those of ``keras.layers.BatchNormalization``; ``axis`` is a single integer,
     the channel axis (``-1`` for channels_last, ``1`` for channels_first), not the
     batch axis.
@@ -373,12 +380,3 @@ def _assign_if(variable, new, old, ok):
     where it does not: a selection, so a NaN in ``new`` never leaks through."""
     variable.assign(new if ok is None else ops.where(ok, new, old))
 
-
-# Keras addresses a layer's weights in a ``.weights.h5`` file by its class name
-# (``layers/batch_normalization_1``), not by the layer's name. Under Keras's own class
-# name, checkpoints move both ways between a model and its converted copy (and a model
-# built with this layer loads into the plain one for deployment); Keras's default layer
-# names (``batch_normalization_N``) follow the same name. The public name, the
-# registered serialization name (``syncbn>SyncBatchNormalization``) and ``isinstance``
-# are unchanged.
-SyncBatchNormalization.__name__ = SyncBatchNormalization.__qualname__ = "BatchNormalization"

@@ -61,6 +61,12 @@ def create(layer, channels):
     _records[layer] = (layer.name, int(channels), record)
 
 
+def forget(layer):
+    """Drop ``layer``'s verdict record, if it has one (a layer that ``revert`` made a
+    plain BatchNormalization in place)."""
+    _records.pop(layer, None)
+
+
 def keep_fit_off_xla(layer):
     """Under a ``tf.distribute`` strategy of more than one replica, mark ``layer`` as
     not supporting XLA (Keras's public ``Layer.supports_jit``), so that ``fit``,
