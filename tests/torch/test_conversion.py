@@ -539,3 +539,29 @@ def test_torch_names_convert_and_revert_are_the_torch_functions():
 
     assert syncbn.torch.convert is syncbn.convert_sync_batchnorm
     assert syncbn.torch.revert is syncbn.revert_sync_batchnorm
+
+
+def _ddp_accepts(subclass_of_torch_sync: bool):
+    """In a pool worker: can DDP wrap a CPU model holding a syncbn-like layer?"""
+    import torch.nn as nn
+
+    base = nn.SyncBatchNorm if subclass_of_torch_sync else syncbn.SyncBatchNorm
+
+    class Layer(base):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), Layer(4))
+    try:
+        nn.parallel.DistributedDataParallel(model)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_why_syncbn_is_not_a_torch_sync_batchnorm_subclass(pool):
+    """The reason SyncBatchNorm is not a subclass of torch.nn.SyncBatchNorm: DDP refuses a
+    CPU module holding any instance of that class, and syncbn's layer trains on CPUs."""
+    as_subclass = pool.run(_ddp_accepts, True)
+    as_ours = pool.run(_ddp_accepts, False)
+    assert all("SyncBatchNorm layers only work with GPU modules" in r for r in as_subclass), as_subclass
+    assert as_ours == ["accepted"] * len(as_ours)
