@@ -1,7 +1,9 @@
 """Float64 oracle for ``syncbn.flax``: plain batch norm on the concatenated batch (masked
 elements excluded from the statistics), written in ``jax.numpy`` and evaluated with
 ``float64`` (``jax.enable_x64``), so ``jax.vjp`` of it gives the reference gradients,
-including those through the running statistics."""
+including those through the running statistics. Complex inputs or parameters are
+evaluated in ``complex128``: mean complex, variance ``mean(|x - mean|**2)`` real, as Flax
+defines batch norm for them, and ``jax.vjp`` gives JAX's complex cotangents."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ def reference(x, scale, bias, mask, feature_axis, eps):
     axes = tuple(i for i in range(x.ndim) if i != feature_axis % x.ndim)
     shape = [1] * x.ndim
     shape[feature_axis] = x.shape[feature_axis]
-    m = jnp.ones_like(x) if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
+    real = jnp.real(x).dtype
+    m = jnp.ones(x.shape, real) if mask is None else jnp.broadcast_to(mask, x.shape).astype(real)
     n = m.sum(axes)
     mean = (m * x).sum(axes) / n
-    var = (m * (x - mean.reshape(shape)) ** 2).sum(axes) / n
+    d = x - mean.reshape(shape)
+    var = (m * (d * jnp.conj(d)).real).sum(axes) / n
     y = (x - mean.reshape(shape)) / jnp.sqrt(var.reshape(shape) + eps) * scale.reshape(shape) + bias.reshape(shape)
     return y, mean, var
 
@@ -30,7 +34,7 @@ def reference_vjp(x, scale, bias, mask, feature_axis, eps, momentum, ra_mean, ra
     import jax.numpy as jnp
 
     with jax.enable_x64(True):
-        f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
+        f64 = lambda a: jnp.asarray(np.asarray(a, np.complex128 if np.iscomplexobj(a) else np.float64))
         mask_ = None if mask is None else jnp.asarray(np.asarray(mask, bool))
 
         def f(x, scale, bias):
@@ -44,9 +48,11 @@ def reference_vjp(x, scale, bias, mask, feature_axis, eps, momentum, ra_mean, ra
 
 
 def assert_close(name, got, want, tol):
-    """``|got - want| <= tol * (1 + |want|)`` everywhere; NaN or inf anywhere fails."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
+    """``|got - want| <= tol * (1 + |want|)`` everywhere; NaN or inf anywhere fails.
+    Complex values compare as complex (a lost imaginary part is an error)."""
+    got, want = np.asarray(got), np.asarray(want)
+    kind = np.complex128 if np.iscomplexobj(got) or np.iscomplexobj(want) else np.float64
+    got, want = got.astype(kind), want.astype(kind)
     assert got.shape == want.shape, (name, got.shape, want.shape)
     assert np.isfinite(got).all(), f"{name}: non-finite values {got[~np.isfinite(got)][:5]}"
     assert np.isfinite(want).all(), f"{name}: the oracle is not finite"

@@ -12,6 +12,14 @@ continues. What differs is how the statistics are computed (see
 elements across devices, stable far from zero, one ``psum`` forward and one backward.
 ``use_fast_variance`` is accepted and ignored: there is one variance algorithm, as
 fast as Flax's one-pass form in communication and as stable as its two-pass one.
+
+Dtypes are Flax's: statistics in the input's dtype (or ``dtype``) promoted to at least
+``float32`` (unless ``force_float32_reductions=False``), an integer input computed as
+that float dtype, a complex input normalized with a complex mean and a real variance, the
+output in ``dtype`` or the promotion of the input's and the parameters' dtypes. The
+running statistics are updated as ``momentum * ra + (1 - momentum) * batch_stat`` with
+JAX's promotion, so after an update they have the dtypes Flax's have (``float64`` for a
+``float64`` input under ``jax_enable_x64``, a complex mean for a complex input).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ def canonical_axes(ndim: int, axes) -> tuple:
 
 def make_config(x, feature_axes, epsilon, axis_name, axis_index_groups, dtype, force_float32,
                 scale, bias) -> Config:
+    """The call's :class:`Config`: statistics and output dtypes as Flax derives them from
+    ``x`` (as given: an integer input too), ``dtype`` and the parameters."""
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
     args = [x] + [p for p in (scale, bias) if p is not None]
     out_dtype = dtypes.canonicalize_dtype(*args, dtype=dtype)
@@ -79,9 +89,10 @@ def linen_forward(module: nn.BatchNorm, x, use_running_average: Optional[bool] =
                          scale, bias)
     y, mean, var = batch_norm(x, scale, bias, mask, config)
     if not module.is_initializing():
+        # Flax's rule and promotion: a float32 running mean becomes float64 (x64) or complex
         m = module.momentum
-        ra_mean.value = m * ra_mean.value + (1 - m) * mean.astype(ra_mean.value.dtype)
-        ra_var.value = m * ra_var.value + (1 - m) * var.astype(ra_var.value.dtype)
+        ra_mean.value = m * ra_mean.value + (1 - m) * mean
+        ra_var.value = m * ra_var.value + (1 - m) * var
     return y
 
 
@@ -108,8 +119,10 @@ class BatchNorm(nn.BatchNorm):
     counts are weighted exactly and a device with no valid element is exact too. A
     channel with no valid element anywhere gets NaN statistics, as in Flax.
     ``use_running_average=True`` communicates nothing. Statistics are ``float32`` (at
-    least) for ``bfloat16``/``float16`` inputs. ``use_fast_variance`` is ignored (one
-    stable algorithm for both settings).
+    least) for ``bfloat16``/``float16`` inputs; integer inputs are promoted and complex
+    inputs normalized (complex mean, real variance) as Flax does, and the running
+    statistics take the dtypes Flax's take. ``use_fast_variance`` is ignored (one stable
+    algorithm for both settings).
     """
 
     @nn.compact

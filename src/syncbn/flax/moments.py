@@ -36,6 +36,12 @@ accurate; only the single all-reduce is not promised then).
 A device whose elements are all masked contributes zeros and is exact. When no element
 of a channel is valid anywhere (N = 0) its mean and variance are NaN, as in
 ``flax.linen.BatchNorm`` (the mean of nothing); N = 1 gives variance 0.
+
+Complex inputs are normalized as Flax does: the mean is complex and the variance real,
+``mean(|x - mean|**2)`` (the variances of the real and imaginary parts added). Each
+part's sum merges like a real moment and the centered squares add across the parts, so
+the payload is ``[n_r, n_r * Re m_r, n_r * Im m_r, M2_r + n_r * |m_r|**2]`` with
+``M2_r = sum |x - m_r|**2``: one ``psum`` still, of ``4C`` values instead of ``3C``.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ AxisName = Any
 
 
 class Moments(NamedTuple):
-    """Union statistics per channel: count, mean and biased variance (``float32``)."""
+    """Union statistics per channel: count (``float32``), mean (in the statistics dtype,
+    complex for a complex input) and biased variance (its real counterpart)."""
 
     count: jax.Array
     mean: jax.Array
@@ -59,10 +66,48 @@ class Moments(NamedTuple):
 
 
 def stats_dtype(x_dtype, force_float32: bool = True):
-    """The dtype statistics are accumulated in: at least float32, as Flax does."""
-    if not jnp.issubdtype(x_dtype, jnp.floating):
-        raise TypeError(f"syncbn.flax: batch norm needs a real floating input, got {x_dtype}")
-    return jnp.promote_types(x_dtype, jnp.float32) if force_float32 else jnp.dtype(x_dtype)
+    """The dtype of the batch mean, as Flax's ``_compute_stats`` has it: the input's (or
+    the layer's ``dtype``) promoted to at least ``float32`` with ``force_float32`` (half
+    precision becomes ``float32``; ``float64`` and complex stay), left as it is without;
+    an integer dtype that remains gives the float dtype its mean has (``float32``, or
+    ``float64`` under ``jax_enable_x64``). The variance has :func:`real_dtype` of it."""
+    dtype = jnp.promote_types(x_dtype, jnp.float32) if force_float32 else jnp.dtype(x_dtype)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        dtype = jax.eval_shape(jnp.mean, jax.ShapeDtypeStruct((1,), dtype)).dtype
+    return jax.dtypes.canonicalize_dtype(dtype)  # float64 is float32 without jax_enable_x64
+
+
+def is_complex(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def real_dtype(dtype):
+    """``float32`` for ``complex64``, ``float64`` for ``complex128``, a real dtype itself."""
+    return jnp.finfo(dtype).dtype if is_complex(dtype) else jnp.dtype(dtype)
+
+
+def cast(value, dtype):
+    """``value`` as ``dtype``; a complex value cast to a real dtype keeps its real part
+    (as a cast does, stated rather than warned about)."""
+    if is_complex(value.dtype) and not is_complex(dtype):
+        value = jnp.real(value)
+    return value.astype(dtype)
+
+
+def abs_sq(value):
+    """``|value|**2`` elementwise, real (the square for a real value)."""
+    if is_complex(value.dtype):
+        return lax.square(jnp.real(value)) + lax.square(jnp.imag(value))
+    return lax.square(value)
+
+
+def parts(value):
+    """The real components of ``value``: ``[value]``, or ``[Re value, Im value]``."""
+    return [jnp.real(value), jnp.imag(value)] if is_complex(value.dtype) else [value]
+
+
+def from_parts(components):
+    return components[0] if len(components) == 1 else lax.complex(*components)
 
 
 def varying_axes(value) -> frozenset:
@@ -163,7 +208,7 @@ def local_moments(x, mask, groups: Groups, dtype):
     """Per group, group axis first: ``(n, first guess m1, a = sum(x - m1), b = sum((x - m1)**2))``
     for ``x`` and ``mask`` of the split shape (:meth:`Groups.split`)."""
     axes = groups.inner
-    xs = x.astype(dtype)
+    xs = cast(x, dtype)
     total = jnp.sum(_masked(xs, mask), axis=axes)
     if mask is None:
         n = jnp.full(total.shape, math.prod(x.shape[ax] for ax in axes), jnp.int32)
@@ -178,20 +223,22 @@ def local_moments(x, mask, groups: Groups, dtype):
     # use computes alike (nothing is left to contract; a reduce_precision that keeps all
     # 23 bits would be dropped by XLA as a no-op). The center only needs to be near the
     # mean: 2**-21 * |mean| is 5e-3 std at |mean|/std = 1e4, which costs M2 = b - a**2 / n
-    # a factor 1 + 3e-5 of its float32 rounding.
+    # a factor 1 + 3e-5 of its float32 rounding. A complex center: each part alike.
     info = jnp.finfo(dtype)  # 20 of float32's 23 bits (float64: 49 of 52), its full range
-    m1 = lax.reduce_precision(total / jnp.maximum(n, 1).astype(dtype), exponent_bits=info.nexp,
-                              mantissa_bits=info.nmant - 3)
+    m1 = from_parts([lax.reduce_precision(p, exponent_bits=info.nexp, mantissa_bits=info.nmant - 3)
+                     for p in parts(total / jnp.maximum(n, 1).astype(real_dtype(dtype)))])
     d = _masked(xs - jnp.expand_dims(m1, axes), mask)
     a = jnp.sum(d, axis=axes)
-    b = jnp.sum(d * d, axis=axes)
+    b = jnp.sum(abs_sq(d), axis=axes)
     return tuple(jnp.moveaxis(v, groups.axis, 0) for v in (n, m1, a, b))
 
 
 def union_moments(x, mask, reduction_axes: Sequence[int], dtype, axis_name: AxisName = None,
                   axis_index_groups=None) -> Moments:
     """Count, mean and biased variance per channel over every device of ``axis_name``
-    (or over the whole, possibly sharded, array without it). One cross-device sum."""
+    (or over the whole, possibly sharded, array without it). One cross-device sum.
+    ``dtype`` is the statistics dtype (:func:`stats_dtype`); a complex one gives a complex
+    mean and a real variance, ``mean(|x - mean|**2)``."""
     mask = valid_mask(x, mask)
     groups = Groups.of(x, reduction_axes, axis_name)
     n, m1, a, b = local_moments(groups.split(x), None if mask is None else groups.split(mask), groups, dtype)
@@ -200,16 +247,18 @@ def union_moments(x, mask, reduction_axes: Sequence[int], dtype, axis_name: Axis
         wide = jnp.float64
         n64 = n.astype(wide)
         safe = jnp.maximum(n64, 1.0)
-        a64 = a.astype(wide)
-        mean_r = m1.astype(wide) + a64 / safe
-        m2_r = jnp.maximum(b.astype(wide) - a64 * a64 / safe, 0.0)
+        # per part (real; or real and imaginary): corrected mean; M2 of all parts together
+        a64 = [p.astype(wide) for p in parts(a)]
+        mean_r = [c.astype(wide) + s / safe for c, s in zip(parts(m1), a64)]
+        m2_r = jnp.maximum(b.astype(wide) - sum(s * s for s in a64) / safe, 0.0)
         # one row per group; the sum over groups is the only reduction that may cross devices
-        payload = jnp.concatenate([n64, n64 * mean_r, m2_r + n64 * mean_r * mean_r], axis=1)
+        payload = jnp.concatenate([n64] + [n64 * m for m in mean_r] + [m2_r + n64 * sum(m * m for m in mean_r)],
+                                  axis=1)
         total = cross_device_sum(jnp.sum(payload, axis=0), axis_name, axis_index_groups, tracked)
-        count, s, q = jnp.split(total, 3)
-        mean = s / count
-        var = jnp.maximum(q / count - mean * mean, 0.0)
+        count, *sums, q = jnp.split(total, 2 + len(mean_r))
+        mean = [s / count for s in sums]
+        var = jnp.maximum(q / count - sum(m * m for m in mean), 0.0)
         # N = 0: 0/0 is NaN for the mean; keep the variance NaN too, as Flax's is
         var = jnp.where(count > 0, var, jnp.nan)
-        out = Moments(count.astype(jnp.float32), mean.astype(dtype), var.astype(dtype))
+        out = Moments(count.astype(jnp.float32), from_parts(mean).astype(dtype), var.astype(real_dtype(dtype)))
     return out

@@ -43,6 +43,7 @@ class BatchNorm(nnx.BatchNorm):
         config = make_config(x, feature_axes, self.epsilon, self.axis_name, self.axis_index_groups, self.dtype,
                              True, scale, bias)
         y, mean, var = batch_norm(x, scale, bias, mask, config)
+        # as Flax's, the Variables keep their dtype (float32 as built): nnx casts what is assigned
         stop = jax.lax.stop_gradient if (self.mean._can_update or self.var._can_update) else (lambda v: v)
         m = self.momentum
         self.mean[...] = stop(m * self.mean[...] + (1 - m) * mean)

@@ -17,6 +17,21 @@ per device under ``pmap`` (its transpose of a replicated argument sums them); un
 ``shard_map`` a parameter that does not vary over the sync axes receives the total,
 taken from the same ``psum``, so ``jax.grad`` from outside ``pmap``/``shard_map``/``jit``
 is exact with one collective backward per layer.
+
+Complex inputs (Flax normalizes them: complex mean, real variance ``mean(|x - mean|**2)``)
+use the same formulas in JAX's convention for complex cotangents: the cotangent of
+``z = u + i v`` is ``dL/du - i dL/dv``, so a linear map such as ``z -> scale * z``
+transposes to ``ct -> scale * ct``, without a conjugate. With ``G = scale * dy``:
+
+    dx = r * (G - m * (S1 + conj(xhat) * S2) / N) + m * (G_mean + 2 * conj(xhat) * G_var / r) / N
+
+where ``S1 = sum(G)`` (complex) and ``S2 = Re sum(G * xhat)`` (real: the variance is a
+real function of the real and imaginary parts). ``dscale = sum(dy * xhat)`` and
+``dbias = sum(dy)``, their real parts for real parameters (the transpose of a real value
+used as a complex one). For a real input every ``conj`` and ``Re`` is the identity and
+this is the formula above. The output is computed in the statistics dtype promoted with
+the parameters' (as Flax's ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` promotes)
+and cast to ``Config.out_dtype``; a complex value cast to a real dtype keeps its real part.
 """
 
 from __future__ import annotations
@@ -28,7 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .moments import Groups, axis_names, cross_device_sum, is_tracked, union_moments, valid_mask, varying_axes
+from .moments import (Groups, Moments, axis_names, cast, cross_device_sum, is_complex, is_tracked, union_moments,
+                      valid_mask, varying_axes)
 
 
 class Config(NamedTuple):
@@ -52,6 +68,12 @@ def _feature_shape(x, config: Config):
     return tuple(x.shape[ax] if ax in config.feature_axes else 1 for ax in range(x.ndim))
 
 
+def _work_dtype(config: Config, scale, bias):
+    """The dtype the output is computed in: the statistics dtype promoted with the
+    parameters' (complex when any of them is)."""
+    return jnp.result_type(config.stats_dtype, *[p.dtype for p in (scale, bias) if p is not None])
+
+
 def _params(x, scale, bias, config: Config, dtype):
     shape = _feature_shape(x, config)
     one = jnp.ones((), dtype)
@@ -60,17 +82,26 @@ def _params(x, scale, bias, config: Config, dtype):
     return gamma, beta
 
 
+def _real(value):
+    return jnp.real(value) if is_complex(value.dtype) else value
+
+
+def _rstd(mom: Moments, config: Config):
+    """``rsqrt(var + eps)``, real."""
+    return lax.rsqrt(mom.var + jnp.asarray(config.epsilon, mom.var.dtype))
+
+
 def _forward(x, scale, bias, mask, config: Config):
     dtype = config.stats_dtype
     mom = union_moments(x, mask, config.reduction_axes, dtype, config.axis_name, config.axis_index_groups)
     axes = config.reduction_axes
     mean = jnp.expand_dims(mom.mean, axes)
-    rstd = jnp.expand_dims(lax.rsqrt(mom.var + jnp.asarray(config.epsilon, dtype)), axes)
-    gamma, beta = _params(x, scale, bias, config, dtype)
-    y = (x.astype(dtype) - mean) * (rstd * gamma)
+    rstd = jnp.expand_dims(_rstd(mom, config), axes)
+    gamma, beta = _params(x, scale, bias, config, _work_dtype(config, scale, bias))
+    y = (cast(x, dtype) - mean) * (rstd * gamma)
     if beta is not None:
         y = y + beta
-    return y.astype(config.out_dtype), mom
+    return cast(y, config.out_dtype), mom
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -108,6 +139,7 @@ def _batch_norm_bwd(config, residuals, cotangents):
     x, scale, bias, mask, mom = residuals
     dy, g_mean, g_var = cotangents
     dtype = config.stats_dtype
+    work = _work_dtype(config, scale, bias)
     axes = config.reduction_axes
     names = axis_names(config.axis_name)
     tracked = is_tracked(x, config.axis_name)
@@ -115,11 +147,11 @@ def _batch_norm_bwd(config, residuals, cotangents):
     valid = valid_mask(x, mask)
 
     mean = jnp.expand_dims(mom.mean, axes)
-    rstd = lax.rsqrt(mom.var + jnp.asarray(config.epsilon, dtype))
+    rstd = _rstd(mom, config)
     rstd_b = jnp.expand_dims(rstd, axes)
-    gamma, _ = _params(x, scale, None, config, dtype)
-    xhat = (x.astype(dtype) - mean) * rstd_b
-    dy = dy.astype(dtype)
+    gamma, _ = _params(x, scale, None, config, work)
+    xhat = (cast(x, dtype) - mean) * rstd_b
+    dy = cast(dy, work)
     # per-group sums (one group per device with axis_name; see moments.Groups), summed below
     groups = Groups.of(x, axes, config.axis_name)
     s1 = groups.sum(groups.split(dy))
@@ -133,43 +165,45 @@ def _batch_norm_bwd(config, residuals, cotangents):
     if scale_total:  # the same scale everywhere: send the unscaled sums
         pieces += [("s1", s1), ("s2", s2)]
     else:
-        gamma_c = scale.astype(dtype)
-        pieces += [("gs1", gamma_c * s1), ("gs2", gamma_c * s2)]
+        gamma_c = scale.astype(work)
+        pieces += [("gs1", gamma_c * s1), ("gs2", _real(gamma_c * s2))]
         if bias_total:
             pieces.append(("s1", s1))
     local_g = {}
     for name, g in (("g_mean", g_mean), ("g_var", g_var)):
-        g = g.astype(dtype)
+        g = cast(g, mom.mean.dtype if name == "g_mean" else mom.var.dtype)
         if synced and (not tracked or set(names) & varying_axes(g)):
             pieces.append((name, g[None]))  # per-device parts (one group): they must be summed
         else:
             local_g[name] = g  # already the total (or no sync axis at all)
 
     feat = s1.shape[1:]
-    flat = jnp.concatenate([v.reshape(groups.count, -1) for _, v in pieces], axis=1)
+    flat = jnp.concatenate([v.reshape(groups.count, -1) for _, v in pieces], axis=1)  # complex if any is
     flat = cross_device_sum(jnp.sum(flat, axis=0), config.axis_name, config.axis_index_groups, tracked)
-    totals = dict(zip([n for n, _ in pieces], [v.reshape(feat) for v in jnp.split(flat, len(pieces))]))
+    totals = {name: cast(v.reshape(feat), piece.dtype)
+              for (name, piece), v in zip(pieces, jnp.split(flat, len(pieces)))}
     totals.update(local_g)
     s1, s2 = jnp.sum(s1, axis=0), jnp.sum(s2, axis=0)  # this device's (pmap, shard_map: one group)
 
     if scale_total:
-        g1 = totals["s1"] * (1.0 if scale is None else scale.astype(dtype))
-        g2 = totals["s2"] * (1.0 if scale is None else scale.astype(dtype))
+        g = 1.0 if scale is None else scale.astype(work)
+        g1, g2 = totals["s1"] * g, _real(totals["s2"] * g)
     else:
         g1, g2 = totals["gs1"], totals["gs2"]
-    inv_n = 1.0 / mom.count.astype(dtype)
+    inv_n = 1.0 / mom.count.astype(rstd.dtype)
     expand = functools.partial(jnp.expand_dims, axis=axes)
+    xc = jnp.conj(xhat) if is_complex(xhat.dtype) else xhat  # the gradient of |xhat|**2 / 2
     dx = rstd_b * (gamma * dy)
-    stat = (expand(g1 * inv_n) + xhat * expand(g2 * inv_n)) * rstd_b
-    stat = stat - expand(totals["g_mean"] * inv_n) - xhat * expand(2.0 * totals["g_var"] * inv_n / rstd)
+    stat = (expand(g1 * inv_n) + xc * expand(g2 * inv_n)) * rstd_b
+    stat = stat - expand(totals["g_mean"] * inv_n) - xc * expand(2.0 * totals["g_var"] * inv_n / rstd)
     dx = dx - (stat if valid is None else jnp.where(valid, stat, 0))
-    dx = dx.astype(x.dtype)
+    dx = cast(dx, x.dtype)
 
     dscale = dbias = None
     if scale is not None:
-        dscale = _match_varying((totals["s2"] if scale_total else s2).astype(scale.dtype), scale)
+        dscale = _match_varying(cast(totals["s2"] if scale_total else s2, scale.dtype), scale)
     if bias is not None:
-        dbias = _match_varying((totals["s1"] if bias_total else s1).astype(bias.dtype), bias)
+        dbias = _match_varying(cast(totals["s1"] if bias_total else s1, bias.dtype), bias)
     return dx, dscale, dbias, None
 
 
