@@ -19,7 +19,10 @@ imports only those above it):
   running statistics;
 - :mod:`~syncbn.torch.timm`, :mod:`~syncbn.torch.lightning`: adapters for timm's
   norm-act layers and Lightning's ``LayerSync`` plugin (imported on first use only for
-  Lightning; the timm adapter imports timm only once the user has).
+  Lightning; the timm adapter imports timm only once the user has);
+- :mod:`~syncbn.torch.mmengine`: OpenMMLab configs (``norm_cfg=dict(type="SyncBN")``) build
+  :class:`SyncBatchNorm`; never imported here (it imports mmengine): ``import
+  syncbn.torch.mmengine``.
 """
 
 from ..core.fingerprint import LayerMismatchError

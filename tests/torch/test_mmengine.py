@@ -1,0 +1,183 @@
+"""OpenMMLab under ``syncbn.torch.mmengine``: mmsegmentation's own model configs with
+``norm_cfg=dict(type='SyncBN')`` build syncbn's layer, with the state_dict keys of the
+same model built with ``type='BN'``, and run on the CPU; mmengine's
+``convert_sync_batchnorm`` (what a runner with ``sync_bn='torch'`` calls) refuses a model
+that syncbn already synchronizes, changing nothing.
+
+mmcv-lite has no compiled ops (``mmcv.ops``), and mmsegmentation 1.2.2 imports a few of
+them when ``mmseg.models`` is imported (``point_sample``, ``sigmoid_focal_loss``, ...),
+though the models built here (UNet + FCN head, ResNetV1c + UPerNet) call none: where
+``mmcv.ops`` does not import, a stub stands in whose every name raises when called.
+"""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import syncbn
+import torchvision_shim
+
+torchvision_shim.install()  # mmseg imports timm, which imports torchvision
+pytest.importorskip("mmengine")
+pytest.importorskip("mmcv")
+
+
+def _stub_mmcv_ops():
+    try:
+        import mmcv.ops  # noqa: F401 - full mmcv: the real ops
+    except ImportError:
+        stub = types.ModuleType("mmcv.ops")
+
+        def __getattr__(name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+
+            def missing(*args, **kwargs):
+                raise NotImplementedError(f"mmcv.ops.{name}: mmcv-lite has no compiled ops")
+
+            return missing
+
+        stub.__getattr__ = __getattr__
+        sys.modules["mmcv.ops"] = stub
+
+
+_stub_mmcv_ops()
+pytest.importorskip("mmseg")
+
+import mmengine.model  # noqa: E402
+from mmcv.cnn import build_norm_layer  # noqa: E402
+from mmengine.config import Config  # noqa: E402
+from mmengine.registry import MODELS as ROOT  # noqa: E402
+
+import syncbn.torch.mmengine as sm  # noqa: E402 - registers
+
+import mmseg  # noqa: E402
+from mmseg.registry import MODELS  # noqa: E402
+from mmseg.utils import register_all_modules  # noqa: E402
+
+register_all_modules()
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIGS = os.path.join(os.path.dirname(mmseg.__file__), ".mim", "configs", "_base_", "models")
+# mmseg's config -> (number of BN layers, output channels, output size for a 64x64 input)
+MMSEG = {"fcn_unet_s5-d16.py": (24, 2, 64), "upernet_r50.py": (68, 19, 16)}
+
+
+def _norm_type(cfg, new):
+    """``cfg`` with every ``type='SyncBN'`` replaced by ``new``."""
+    if isinstance(cfg, dict):
+        return {k: new if k == "type" and v == "SyncBN" else _norm_type(v, new) for k, v in cfg.items()}
+    if isinstance(cfg, list):
+        return [_norm_type(v, new) for v in cfg]
+    return cfg
+
+
+def _config(name):
+    cfg = Config.fromfile(os.path.join(CONFIGS, name)).model.to_dict()
+    cfg["pretrained"] = None  # random init, nothing downloaded (build never loads weights anyway)
+    assert cfg["backbone"]["norm_cfg"] == dict(type="SyncBN", requires_grad=True)
+    return cfg
+
+
+def _bn(model):
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+def test_names_build_syncbn_with_the_config_layer_names():
+    for name in ("SyncBN", "SyncBatchNorm"):
+        assert ROOT.get(name) is syncbn.SyncBatchNorm and MODELS.get(name) is syncbn.SyncBatchNorm
+        layer_name, layer = build_norm_layer(dict(type=name, requires_grad=False), 8, postfix=1)
+        assert layer_name == "bn1" and type(layer) is syncbn.SyncBatchNorm and layer.num_features == 8
+        assert not any(p.requires_grad for p in layer.parameters())
+    assert ROOT.get("BN") is nn.BatchNorm2d  # plain BN stays torch's
+    if "MMSyncBN" in ROOT.module_dict:  # full mmcv only
+        assert ROOT.get("MMSyncBN") is syncbn.SyncBatchNorm
+    # idempotent: registering again wraps mmengine's converter no second time
+    guarded = mmengine.model.convert_sync_batchnorm
+    sm.register()
+    assert mmengine.model.convert_sync_batchnorm is guarded and mmengine.model.utils.convert_sync_batchnorm is guarded
+    assert ROOT.get("SyncBN") is syncbn.SyncBatchNorm
+
+
+@pytest.fixture(scope="module")
+def built():
+    """{config: (model with SyncBN, the same with BN)}, built once."""
+    out = {}
+    for name in MMSEG:
+        cfg = _config(name)
+        torch.manual_seed(0)
+        synced = MODELS.build(cfg)
+        torch.manual_seed(0)
+        plain = MODELS.build(_norm_type(cfg, "BN"))
+        out[name] = synced, plain
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MMSEG))
+def test_mmseg_config_builds_syncbn(name, built):
+    count, classes, size = MMSEG[name]
+    synced, plain = built[name]
+    layers = _bn(synced)
+    assert len(layers) == count and all(type(m) is syncbn.SyncBatchNorm for m in layers)
+    assert [type(m) for m in _bn(plain)] == [nn.BatchNorm2d] * count
+    assert all(p.requires_grad for m in layers for p in m.parameters())
+    assert list(synced.state_dict()) == list(plain.state_dict())  # bn1, norm1, ... as with BN
+    # eval on the CPU: the BN model's weights load as they are, and compute the same
+    with torch.no_grad():
+        for m in layers:  # running statistics away from their defaults
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.uniform_(0.5, 1.5)
+    plain.load_state_dict(synced.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        out = synced.eval()(x, mode="tensor")
+        ref = plain.eval()(x, mode="tensor")
+    assert out.shape == (1, classes, size, size)
+    torch.testing.assert_close(out, ref)  # float32: the same torch ops, default tolerances
+
+
+def test_mmengine_converter_refuses_a_syncbn_model(built):
+    synced, _ = built["fcn_unet_s5-d16.py"]
+    before = list(synced.named_modules())
+    keys = list(synced.state_dict())
+    for implementation in ("torch", "mmcv"):
+        with pytest.raises(RuntimeError, match=r"already synchronized by syncbn; leave sync_bn unset in the runner config"):
+            mmengine.model.convert_sync_batchnorm(synced, implementation=implementation)
+    after = list(synced.named_modules())
+    assert [(n, id(m)) for n, m in after] == [(n, id(m)) for n, m in before]
+    assert all(type(m) is syncbn.SyncBatchNorm for m in _bn(synced)) and list(synced.state_dict()) == keys
+
+
+def test_every_name_of_the_converter_is_guarded_and_still_converts_plain_bn():
+    import mmengine._strategy.distributed as strategy
+    import mmengine.runner.runner as runner
+
+    for convert in (runner.convert_sync_batchnorm, strategy.convert_sync_batchnorm,
+                    mmengine.model.convert_sync_batchnorm, mmengine.model.utils.convert_sync_batchnorm):
+        small = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(syncbn.SyncBatchNorm(4)))
+        with pytest.raises(RuntimeError, match=r"already synchronized by syncbn.*first '1\.0'"):
+            convert(small, "torch")
+        assert type(small[1][0]) is syncbn.SyncBatchNorm
+        # a model without syncbn layers: mmengine's conversion, unchanged
+        plain = convert(nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.BatchNorm2d(4))), "torch")
+        assert type(plain[1][0]) is nn.SyncBatchNorm
+
+
+def test_register_before_mmcv_is_imported():
+    """``import syncbn.torch.mmengine`` first, mmcv after: mmcv's own registration of
+    ``SyncBN`` must neither fail on a name taken nor take it back."""
+    import subprocess
+
+    code = (
+        "import syncbn, syncbn.torch.mmengine, mmcv.cnn; "
+        "name, layer = mmcv.cnn.build_norm_layer(dict(type='SyncBN'), 4, postfix=2); "
+        "assert name == 'bn2' and type(layer) is syncbn.SyncBatchNorm, (name, type(layer))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
