@@ -567,5 +567,49 @@ def keras_file_keeps_the_synchronized_class():
     return {}
 
 
+@check
+def keras_file_keeps_layers_their_owners_make():
+    """A custom layer and a Functional subclass (the keras_hub pattern) make their
+    BatchNormalization layers in their constructors and save only its arguments.
+    Converted, they save as ``syncbn>Synchronized`` and load back synchronized, with the
+    same configs, weights and predictions; reverted, they save and load as their own
+    classes with plain layers."""
+    import os
+    import tempfile
+
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(37)
+    Block, Backbone = block_class(), backbone_class()
+    inputs = keras.Input((4, 3), name="x")
+    net = keras.Model(inputs, Block(3, name="block")(inputs), name="net")
+    data = rng.standard_normal((5, 4, 3)).astype(np.float32)
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for where, model, count in (("custom layer", net, 3), ("functional subclass", Backbone(3, name="bb"), 2)):
+            for layer in every_layer(model):
+                if layer.built and layer.weights and not layer._layers:
+                    randomize(layer, rng)
+            synced = convert(model)
+            path = os.path.join(tmp, "synced.keras")
+            synced.save(path)
+            loaded = keras.models.load_model(path)
+            assert kinds(loaded) == (0, count), (where, kinds(loaded))
+            assert_same_snapshot(as_saved(snapshot(loaded)), as_saved(snapshot(synced)), f"{where}, .keras file")
+            want = np.asarray(synced(data, training=False))
+            assert np.all(np.isfinite(want)), where
+            np.testing.assert_array_equal(np.asarray(loaded(data, training=False)), want, err_msg=where)
+
+            path = os.path.join(tmp, "plain.keras")
+            revert(loaded).save(path)
+            plain = keras.models.load_model(path)
+            assert kinds(plain) == (count, 0), (where, kinds(plain))
+            assert_same_snapshot(as_saved(snapshot(plain)), as_saved(snapshot(model)), f"{where}, reverted file")
+            counts[where] = count
+    return {"bn_layers": counts}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)

@@ -12,7 +12,7 @@ import keras
 from . import mismatch
 from .layer import SyncBatchNormalization
 
-__all__ = ["convert", "revert"]
+__all__ = ["convert", "revert", "Synchronized"]
 
 
 def convert(model):
@@ -39,6 +39,15 @@ def convert(model):
     inference equal the original's. Layer names and weight paths are kept (except in
     a subclass rebuilt through its constructor, which names the layers it does not
     name itself afresh, as loading it from a file does).
+
+    A layer or model that makes its BatchNormalization layers in its own constructor
+    (a custom layer, a subclassed model, a keras_hub ``Backbone`` or ``Task``) saves
+    only its constructor's arguments, so loading a ``.keras`` file would rebuild them
+    plain. Its copy is therefore given a subclass of its class, :class:`Synchronized`
+    (registered as ``syncbn>Synchronized``), which saves the original class and config
+    and synchronizes them again when ``keras.models.load_model`` rebuilds it
+    (``syncbn.keras`` imported; without it loading raises Keras's "Could not locate
+    class" error naming ``syncbn>Synchronized``).
 
     Weights files (``.weights.h5``) name a layer's group after its class, so a file
     saved from the original loads into ``convert`` of a model that loaded it (load,
@@ -81,6 +90,7 @@ class _Swap:
         self.target = target
         self._leaves = leaves
         self.skipped = []
+        self.swaps = 0  # batch norm layers swapped so far, to know which owners held one
         # id(layer) -> (layer, its copy): a layer met twice (shared by nested models, held
         # in two places) gets one copy; the layer is kept so that its id stays its own.
         self._copies = {}
@@ -168,6 +178,7 @@ class _Swap:
         """A ``target`` layer with ``bn``'s configuration, built like it (for the same
         input shape, its weights under the same paths) and holding copies of its
         weights."""
+        self.swaps += 1
         config = bn.get_config()
         config.pop("synchronized", None)
         new = self.target.from_config(config)
@@ -191,6 +202,7 @@ class _Swap:
         ``synchronized`` False; under a TensorFlow strategy it turns XLA off for ``fit``
         and keeps a record of its verdicts, which a reverted layer drops), so the object
         is then what the ``target`` constructor would have made."""
+        self.swaps += 1
         bn.__class__ = self.target
         bn.synchronized = False
         if self.target is SyncBatchNormalization:
@@ -199,6 +211,17 @@ class _Swap:
         else:
             bn.supports_jit = True
             mismatch.forget(bn)
+
+    def retype_owner(self, layer, held_swapped: bool) -> None:
+        """Give ``layer`` (a fresh copy that nothing else references) the class that
+        saves it right. Converting, a layer that is not a plain Sequential/Functional
+        model and held a swapped layer becomes :func:`synchronized_class` of its class;
+        reverting, a :class:`Synchronized` layer gets its original class back."""
+        if self.target is SyncBatchNormalization:
+            if held_swapped and not _is_plain_graph_model(layer) and not isinstance(layer, Synchronized):
+                layer.__class__ = synchronized_class(type(layer))
+        elif isinstance(layer, Synchronized):
+            layer.__class__ = original_class(type(layer))
 
     # ------------------------------------------------------------------ layers held
 
@@ -217,6 +240,7 @@ class _Swap:
         if self.leaves(layer):
             self.skipped.append(layer)
             return
+        before = self.swaps
         tracker = getattr(layer, "_tracker", None)
         stores = [] if tracker is None else [store for _, store in tracker.config.values()]
 
@@ -264,6 +288,7 @@ class _Swap:
                         new = replace(item)
                         if new is not item:
                             dict.__setitem__(value, key, new)
+        self.retype_owner(layer, self.swaps > before)
 
     def retype_within(self, layer, seen):
         """:meth:`retype` every ``source`` layer held by ``layer`` (a fresh copy that
@@ -277,11 +302,80 @@ class _Swap:
         if self.leaves(layer):
             self.skipped.append(layer)
             return
+        before = self.swaps
         for value in list(vars(layer).values()):
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
             for item in list(items):
                 if isinstance(item, keras.layers.Layer):
                     self.retype_within(item, seen)
+        self.retype_owner(layer, self.swaps > before)
+
+
+# ---------------------------------------------------------------------- saving
+
+
+@keras.saving.register_keras_serializable(package="syncbn", name="Synchronized")
+class Synchronized:
+    """The mixin of :func:`synchronized_class`: a converted layer or model whose
+    BatchNormalization layers its own constructor makes (so its config, its
+    constructor's arguments, cannot say they are synchronized).
+
+    Saved (``get_config``), it records its original class and that class's config;
+    loaded (``from_config``), it rebuilds the original from them, then synchronizes
+    every BatchNormalization it holds in place, exactly as :func:`convert` does to a
+    copy, and so loads the weights of the file saved from the converted model. Every
+    class made by :func:`synchronized_class` saves under the one registered name
+    ``syncbn>Synchronized``, whose ``from_config`` reads the class from the config:
+    importing ``syncbn.keras`` is all a new process needs to load the file.
+    """
+
+    def get_config(self):
+        original = original_class(type(self))
+        return {"original": {
+            "module": original.__module__,
+            "class_name": original.__name__,
+            "registered_name": keras.saving.get_registered_name(original),
+            "config": super().get_config(),
+        }}
+
+    @classmethod
+    def from_config(cls, config):
+        # Keras's own lookup of the original class (registered name, then its module)
+        rebuilt = keras.saving.deserialize_keras_object(config["original"])
+        swap = _Swap.to_sync()
+        swap.retype_within(rebuilt, set())
+        if not isinstance(rebuilt, Synchronized):  # held no batch norm: still saves as converted
+            rebuilt.__class__ = synchronized_class(type(rebuilt))
+        return rebuilt
+
+
+_SYNCHRONIZED_CLASSES = {}  # original class -> its synchronized subclass
+
+
+def synchronized_class(original):
+    """The subclass of ``original`` (a layer or model class) that saves and loads as
+    converted: ``original``'s behaviour, :class:`Synchronized`'s config. One per class."""
+    if issubclass(original, Synchronized):
+        return original
+    cls = _SYNCHRONIZED_CLASSES.get(original)
+    if cls is None:
+        cls = type(f"Synchronized{original.__name__}", (Synchronized, original),
+                   {"__module__": __name__, "__qualname__": f"Synchronized{original.__qualname__}"})
+        # Keras saves an object under its class's registered name: register the new class
+        # under the mixin's name, then point that name back at the mixin (the live dict of
+        # keras.saving.get_custom_objects()); either class's from_config reads the class
+        # from the config, so whichever the name points at loads every file alike.
+        keras.saving.register_keras_serializable(package="syncbn", name="Synchronized")(cls)
+        keras.saving.get_custom_objects()["syncbn>Synchronized"] = Synchronized
+        _SYNCHRONIZED_CLASSES[original] = cls
+    return cls
+
+
+def original_class(cls):
+    """The class that :func:`synchronized_class` made ``cls`` from (``cls`` itself when it is not one)."""
+    if not issubclass(cls, Synchronized):
+        return cls
+    return cls.__bases__[1]  # (Synchronized, original)
 
 
 # ---------------------------------------------------------------------- helpers
