@@ -15,23 +15,19 @@ from pathlib import Path
 
 import pytest
 
+import doc_blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
 
 def blocks():
     """``(language, first line, text)`` of every fenced code block, in order."""
-    text = README.read_text()
-    found = re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.M | re.S)
-    return [(lang, body.strip().splitlines()[0], body) for lang, body in found]
+    return doc_blocks.blocks(README)
 
 
 def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
-               PYTHONUNBUFFERED="1")
-    env.pop("TF_CONFIG", None)
-    env.update(extra)
-    return env
+    return doc_blocks.env(**extra)
 
 
 def _jax_env():
@@ -39,9 +35,7 @@ def _jax_env():
 
 
 def _run(cmd, tmp_path, env, timeout=600, cwd=None):
-    proc = subprocess.run(cmd, cwd=str(cwd or tmp_path), env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
-    return proc
+    return doc_blocks.run(cmd, cwd or tmp_path, env, timeout)
 
 
 def run_install(body, tmp_path):

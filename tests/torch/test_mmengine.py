@@ -6,47 +6,26 @@ that syncbn already synchronizes, changing nothing.
 
 mmcv-lite has no compiled ops (``mmcv.ops``), and mmsegmentation 1.2.2 imports a few of
 them when ``mmseg.models`` is imported (``point_sample``, ``sigmoid_focal_loss``, ...),
-though the models built here (UNet + FCN head, ResNetV1c + UPerNet) call none: where
-``mmcv.ops`` does not import, a stub stands in whose every name raises when called.
+though the models built here (UNet + FCN head, ResNetV1c + UPerNet) call none
+(``tests/mmcv_shim.py`` stands in for them).
 """
 
 import os
 import sys
-import types
 
 import pytest
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+import mmcv_shim
 import syncbn
 import torchvision_shim
 
 torchvision_shim.install()  # mmseg imports timm, which imports torchvision
 pytest.importorskip("mmengine")
 pytest.importorskip("mmcv")
-
-
-def _stub_mmcv_ops():
-    try:
-        import mmcv.ops  # noqa: F401 - full mmcv: the real ops
-    except ImportError:
-        stub = types.ModuleType("mmcv.ops")
-
-        def __getattr__(name):
-            if name.startswith("_"):
-                raise AttributeError(name)
-
-            def missing(*args, **kwargs):
-                raise NotImplementedError(f"mmcv.ops.{name}: mmcv-lite has no compiled ops")
-
-            return missing
-
-        stub.__getattr__ = __getattr__
-        sys.modules["mmcv.ops"] = stub
-
-
-_stub_mmcv_ops()
+mmcv_shim.install()
 pytest.importorskip("mmseg")
 
 import mmengine.model  # noqa: E402
