@@ -26,7 +26,8 @@ def convert(model):
     Sequential and Functional models are rebuilt with ``keras.models.clone_model``,
     recursing into nested Sequential / Functional models. A subclass of them (the
     keras_hub ``Backbone`` / ``Task`` pattern) is rebuilt through its own
-    ``from_config(get_config())``, so its class, attributes and methods are kept, given
+    ``from_config(get_config())``, so its attributes and methods are kept (its class,
+    as :func:`synchronized_class` of it: see below), given
     the original's weights, and its BatchNormalization layers are then synchronized in
     place (the class of such a layer in the fresh copy becomes
     :class:`SyncBatchNormalization`, which adds no state of its own). Every other
@@ -360,7 +361,7 @@ def synchronized_class(original):
     cls = _SYNCHRONIZED_CLASSES.get(original)
     if cls is None:
         cls = type(f"Synchronized{original.__name__}", (Synchronized, original),
-                   {"__module__": __name__, "__qualname__": f"Synchronized{original.__qualname__}"})
+                   {"__module__": __name__, "__qualname__": f"Synchronized{original.__name__}"})
         # Keras saves an object under its class's registered name: register the new class
         # under the mixin's name, then point that name back at the mixin (the live dict of
         # keras.saving.get_custom_objects()); either class's from_config reads the class
