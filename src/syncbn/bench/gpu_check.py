@@ -9,8 +9,11 @@ sharing GPU 0) check the CUDA path of ``syncbn.SyncBatchNorm``:
   bfloat16 inputs beside float32 parameters, as under autocast (:func:`_oracle_bounds`);
 - **numerics**: merged variance at |mean|/std = 1e3 and 1e4 on (2, 16, 256, 256) per
   rank, float32, against float64 (the issue's CUDA bars: 1e-5 and 1e-4);
-- **counts**: passes, launches and host syncs per call on the real device (no stand-ins);
-- **timing**: forward + backward of syncbn.SyncBatchNorm, SyncBatchNormAct,
+- **counts**: passes, launches and host syncs per call on the real device (no stand-ins),
+  of ``SyncBatchNorm`` and ``SyncBatchNormAct``, with the path taken (the Triton kernels
+  of :mod:`syncbn.torch.kernels` where Triton is installed, else torch's ops);
+- **timing**: forward + backward of syncbn.SyncBatchNorm (on the kernels, and on the
+  torch-op path: ``syncbn.SyncBatchNorm (torch ops)``), SyncBatchNormAct,
   torch.nn.SyncBatchNorm and torch.nn.BatchNorm2d on the same GPU, wall clock of a step
   ended by ``torch.cuda.synchronize()``, median over repeats, the slower rank; also
   syncbn's step minus its all-reduces beside BatchNorm2d's step with the same two
@@ -69,12 +72,61 @@ def _makers(device: str, fused: bool = True) -> dict:
     from .. import torch as sbn
 
     makers = {"syncbn.SyncBatchNorm": lambda c, g: sbn.SyncBatchNorm(c, process_group=g)}
+    if device == "cuda":  # the torch-op CUDA path beside the Triton kernels (when these run)
+        makers["syncbn.SyncBatchNorm (torch ops)"] = lambda c, g: _TorchOps(sbn.SyncBatchNorm(c, process_group=g))
     if fused:
         makers["syncbn.SyncBatchNormAct"] = lambda c, g: sbn.SyncBatchNormAct(c, process_group=g)
     makers["torch.nn.BatchNorm2d"] = lambda c, g: torch.nn.BatchNorm2d(c)
     if device == "cuda":
         makers["torch.nn.SyncBatchNorm"] = lambda c, g: torch.nn.SyncBatchNorm(c, process_group=g)
     return makers
+
+
+def _torch_ops_class():
+    import torch
+
+    class TorchOps(torch.nn.Module):
+        """A syncbn layer whose forward keeps the Triton kernels off (``SYNCBN_TRITON=0``
+        for this layer alone: the torch-op CUDA path); its backward follows its forward."""
+
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            from ..torch import stats
+
+            before, stats._TRITON_ENABLED = stats._TRITON_ENABLED, False
+            try:
+                return self.layer(x)
+            finally:
+                stats._TRITON_ENABLED = before
+
+    return TorchOps
+
+
+def _TorchOps(layer):  # noqa: N802 - a class made on first use (torch imported lazily here)
+    return _torch_ops_class()(layer)
+
+
+def _triton_version():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _kernels_on(device: str) -> bool:
+    """Whether the layers take the Triton kernels on ``device`` (CUDA: Triton installed
+    and not switched off with ``SYNCBN_TRITON=0``)."""
+    import torch
+
+    from ..torch import stats
+
+    if device != "cuda":
+        return False
+    return stats.triton_path(torch.empty(2, 3, device="cuda"))
 
 
 def _grid(dev, shapes):
@@ -211,9 +263,13 @@ def counts_job(device: str) -> list:
         fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
         x = torch.randn(8, 64, 56, 56, device=dev).contiguous(memory_format=fmt).requires_grad_()
         dy = torch.randn_like(x)
-        counts = cuda_counts.count_call(sbn.SyncBatchNorm(64).to(dev), x, dy)
-        rows.append({"layout": layout, **{w: {k: v for k, v in counts[w].items() if k != "ops"} for w in counts},
-                     "ops": {w: [o["op"] for o in counts[w]["ops"]] for w in counts}})
+        for name, layer in (("syncbn.SyncBatchNorm", sbn.SyncBatchNorm(64)),
+                            ("syncbn.SyncBatchNormAct", sbn.SyncBatchNormAct(64))):
+            counts = cuda_counts.count_call(layer.to(dev), x, dy)
+            path = counts.pop("path")
+            rows.append({"layer": name, "layout": layout, "path": path,
+                         **{w: {k: v for k, v in counts[w].items() if k != "ops"} for w in counts},
+                         "ops": {w: [o["op"] for o in counts[w]["ops"]] for w in counts}})
     return rows if dist.get_rank() == 0 else None
 
 
@@ -524,7 +580,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": args.device, "gpus": gpus, "backend": backend, "world": 2,
-              "gpu_name": torch.cuda.get_device_name(0) if gpus else None, "torch": torch.__version__}
+              "gpu_name": torch.cuda.get_device_name(0) if gpus else None, "torch": torch.__version__,
+              "triton": _triton_version(), "kernels": _kernels_on(args.device)}
     started = time.time()
     with WorkerPool(2, backend=backend, timeout=150) as pool:
         for name, job, extra in (("oracle", oracle_job, ()), ("numerics", numerics_job, ()),

@@ -355,8 +355,9 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict, multiworker: Optional
     return bars
 
 
-CUDA_BAR = ("CUDA path (counted on the CPU with the CUDA choices forced): forward <= 3 activation-sized passes, "
-            "backward <= 5, kernel launches within torch.nn.SyncBatchNorm's + 4 each way, no host synchronisation")
+CUDA_BAR = ("CUDA path (counted on the CPU with the CUDA choices forced, Triton's kernels interpreted), "
+            "SyncBatchNorm and SyncBatchNormAct: forward <= 3 activation-sized passes and <= 5 kernel launches, "
+            "backward <= 5 and <= 3, no host synchronisation in a layer call")
 
 
 def _cuda_bar(counts: Optional[dict]) -> dict:
@@ -384,8 +385,10 @@ def _cuda_count_rows(report: dict) -> List[List[str]]:
     if not counts:
         return []
     cell = lambda c: f"{c['passes']} / {c['launches']} / {c['host_syncs']}"  # noqa: E731
-    rows = [[f"syncbn.SyncBatchNorm {tuple(r['shape'])} {r['layout']}", "counted", cell(r["forward"]),
-             cell(r["backward"])] for r in counts["syncbn"]]
+    rows = [[f"syncbn.{label} {tuple(r['shape'])} {r['layout']}", f"counted ({r.get('path', 'torch ops')})",
+             cell(r["forward"]), cell(r["backward"])]
+            for key, label in (("syncbn", "SyncBatchNorm"), ("syncbn_act", "SyncBatchNormAct"))
+            for r in counts.get(key, [])]
     for key, label in (("torch_syncbn", "torch.nn.SyncBatchNorm"), ("batchnorm2d", "torch.nn.BatchNorm2d")):
         rows.append([label, "read off the source", cell(counts[key]["forward"]), cell(counts[key]["backward"])])
     return rows

@@ -380,6 +380,7 @@ def main(argv=None) -> int:
     pool = None
     try:
         section("pool_start", lambda: {"size": max(worlds)})
+        cuda_counts.interpret_triton_in_workers()  # counts of the Triton path (the CPU tensors' path is unchanged)
         pool = WorkerPool(max(worlds), backend="gloo", timeout=600, threads=threads)
         pool.run(jobs.make_groups, worlds)
 

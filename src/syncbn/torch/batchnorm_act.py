@@ -36,9 +36,15 @@ division keeps their sign. The input gradient itself is written without dividing
 ``w`` (see :func:`syncbn.torch.stats.input_grad_from_output`). With these budgets the
 recovered ``xhat`` is within about 1e-11 (float64), 1.5e-5 (float32), 4e-3 (float16)
 or 8e-3 (bfloat16) of the true one. Choosing the channels reads a C-sized mask on the
-host once per training forward (the only host synchronisation the layer adds, needed
-because the amount saved depends on it; ELU also takes each channel's local minimum
-and maximum, one more pass over the input); a layer that needs no gradient skips it.
+host once per training forward (the amount saved depends on it; ELU also takes each
+channel's local minimum and maximum, one more pass over the input); a layer that needs
+no gradient skips it. On CUDA with Triton (:mod:`syncbn.torch.kernels`; identity and
+leaky_relu) there is no host read: the channels are chosen on the device and their
+inputs copied into a buffer of fixed size (``C // 16`` channels, at least 1: 0.53x of
+the bytes BatchNorm + activation keep for C >= 16); should more channels need their
+inputs in some call, that step's check (when its backward pass ends, before any
+optimizer step) raises :class:`KeptChannelsOverflow` rather than let an inexact
+gradient through.
 On the CPU, where the moments come from the centered input (:func:`syncbn.torch.stats.use_centered`),
 that centered input is normalized in place (exact where |mean| >> std); otherwise one more
 read of C flags on the CPU (no synchronisation there) picks how to normalize: the native
@@ -123,7 +129,7 @@ from .batchnorm import _SyncNormBase
 from .functional import refuse_create_graph
 from .recompute import recomputing
 
-__all__ = ["SyncBatchNormAct", "ACTIVATIONS"]
+__all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
 
 ACTIVATIONS = ("identity", "leaky_relu", "elu")
 
@@ -272,6 +278,10 @@ class _SyncBatchNormAct(torch.autograd.Function):
                 tag=None):
         channels = x.shape[1]
         n = x.numel() // channels if channels else 0
+        ctx.triton = _takes_kernels(x, activation)
+        if ctx.triton:
+            return _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing,
+                                   activation, param, inplace, tag)
         # in place, the centered values go straight over the input, which becomes the output
         packed, centered, provisional = stats.pack_moments(
             x, stats.accumulate_dtype(x.device), keep=True, overwrite=inplace
@@ -333,6 +343,8 @@ class _SyncBatchNormAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("SyncBatchNormAct")
+        if ctx.triton:
+            return _triton_backward(ctx, dy)
         y, keep_x, keep_idx, gamma, beta, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         channels = y.shape[1]
@@ -388,6 +400,128 @@ class _SyncBatchNormAct(torch.autograd.Function):
         if ctx.syncing:
             fingerprint.end_step(ctx.group)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+
+
+# ---- the CUDA path with the Triton kernels (syncbn.torch.kernels) ---------------------
+# No host read per call. The channels whose xhat the stored output cannot give back
+# within the amplification budget are chosen on the device by the merge kernel (in
+# channel order), and the normalizing kernel copies their inputs into a buffer of a fixed
+# ``capacity`` of channels (C // 16, at least 1: for C >= 16 at most 1/16 of the input's
+# bytes beside the output, 0.53x of what BatchNorm + activation keep).
+# Should more channels need their inputs than the buffer holds, the kernel flags it and
+# the step's check (syncbn.torch.fingerprint.check_agreement, when the backward pass ends,
+# before any optimizer step) raises: the gradient of such a step is never used silently.
+# ELU (whose choice depends on the data) takes the general path.
+
+KERNEL_ACTIVATIONS = ("identity", "leaky_relu")
+
+
+def _takes_kernels(x: Tensor, activation: str) -> bool:
+    return (activation in KERNEL_ACTIVATIONS and stats.cuda_path(x) and not _compiling()
+            and stats.triton_path(x))
+
+
+def kept_capacity(channels: int) -> int:
+    """How many channels' inputs the kernel path can keep per call (see above)."""
+    return max(1, channels // 16)
+
+
+class KeptChannelsOverflow(RuntimeError):
+    """More channels of a SyncBatchNormAct call needed their inputs kept than it holds."""
+
+
+def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation,
+                    param, inplace, tag):
+    from . import kernels
+    from .functional import _check_count, _empty_payload, _momentum_tensor
+
+    channels, device = x.shape[1], x.device
+    n = x.numel() // channels
+    cdtype = stats.compute_dtype(x.dtype)
+    world = distributed.group_size(group) if syncing else 1
+    fingerprint.check_world(world)
+    if syncing:
+        fixed = fingerprint.fixed_values(tag, torch.float64, device)
+        agree = fingerprint.agreeing_values(tag, world, torch.float64, device)
+    else:
+        fixed = agree = stats.constant(stats._filled, (0.0, fingerprint.SIZE), torch.float64, device)
+    if n:
+        payload = kernels.moment_payload(kernels.moment_partials(x), fixed, n)
+    else:  # an empty rank still takes part (and moves its buffers as the others do)
+        payload = _empty_payload(channels, fixed)
+    summed = distributed.all_reduce_sum(payload, group) if syncing else payload
+    size = fingerprint.SIZE
+    slope = param if activation == "leaky_relu" else 1.0
+    budget, floor, _ = _fit_bounds(x.dtype if x.dtype in AMPLIFICATION_BUDGET else torch.float32, activation, slope)
+    scalars = stats.kernel_scalars(eps, device, slope, budget, floor)
+    capacity = kept_capacity(channels) if any(ctx.needs_input_grad[:3]) and n else -1
+    stats_c, ok, slots, fits = kernels.merge(summed, agree, scalars, _momentum_tensor(momentum, device), running_mean,
+                                             running_var, cdtype, weight, bias, capacity)
+    if syncing:
+        fingerprint.pending_verdict(summed[:size], group, tag, world, ok=ok)
+    _check_count(summed[size], n, x.shape, device_side=True)
+    if capacity >= 0:
+        fingerprint.defer(fits, KeptChannelsOverflow(
+            f"SyncBatchNormAct({channels}): more channels than the {capacity} it can keep have a weight too small "
+            f"next to their bias ((|b| + tiny) / |w| > {budget:g}, w = 0 included) for their input to be recovered "
+            "from the output; this step's gradients are not exact. Use SyncBatchNorm followed by the activation "
+            "for this layer (syncbn.revert_sync_batchnorm, or fuse_batchnorm_act leaving it out)."))
+    if n:
+        y, keep = kernels.normalize(x, weight, bias, stats_c, scalars, kernels.ACTIVATION_CODES[activation],
+                                    slots if capacity > 0 else None, max(capacity, 0), out=x if inplace else None)
+    else:
+        y, keep = x if inplace else torch.empty_like(x), x.new_empty(0)
+    if inplace:
+        ctx.mark_dirty(x)
+    ctx.save_for_backward(y, keep, slots, weight, bias, stats_c, summed[size])
+    ctx.group, ctx.syncing, ctx.tag, ctx.world = group, syncing, tag, world
+    ctx.scalars = scalars
+    ctx.weight_dtype = None if weight is None else weight.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    return y
+
+
+def _triton_backward(ctx, dy):
+    from . import kernels
+
+    y, keep, slots, weight, bias, stats_c, count = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    if not kernels.flattenable(dy):
+        dy = dy.contiguous(memory_format=stats.memory_format(y))
+    cdtype, device = stats_c.dtype, y.device
+    if ctx.syncing:
+        fixed = fingerprint.fixed_values(ctx.tag, cdtype, device)
+        agree = fingerprint.agreeing_values(ctx.tag, ctx.world, cdtype, device)
+    else:
+        fixed = agree = stats.constant(stats._filled, (0.0, fingerprint.SIZE), cdtype, device)
+    kept = slots if keep.numel() else None
+    wdtype, bdtype = ctx.weight_dtype or cdtype, ctx.bias_dtype or cdtype
+    if y.numel():
+        partials = kernels.grad_partials(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, mode=1)
+        payload, dw, db = kernels.grad_payload(partials, fixed, stats_c, 1, wdtype, bdtype)
+    else:  # an empty rank: zero sums, still in the all-reduce
+        channels = y.shape[1]
+        payload = torch.cat([fixed, stats.constant(stats._filled, (0.0, 2 * channels), cdtype, device)])
+        dw = torch.zeros(channels, dtype=wdtype, device=device)
+        db = torch.zeros(channels, dtype=bdtype, device=device)
+    dx = None
+    if need_x:
+        summed = distributed.all_reduce_sum(payload, ctx.group) if ctx.syncing else payload
+        ok = None
+        if y.numel():
+            dx, ok = kernels.input_grad(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, summed, count, agree,
+                                        1, y.dtype)
+        else:
+            dx = torch.zeros_like(y)
+        if ctx.syncing:
+            fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True,
+                                        ok=ok)
+    if ctx.syncing:
+        fingerprint.end_step(ctx.group)
+    else:  # the kept-channel check of the forward (fingerprint.defer) when this pass ends
+        fingerprint.check_after_backward()
+    return (dx, dw if need_w else None, db if need_b else None, None, None, None, None, None, None, None, None, None,
+            None)
 
 
 _FIT_BOUNDS = {}  # (dtype, activation, param) -> (budget, floor, least)
@@ -690,8 +824,8 @@ class SyncBatchNormAct(_SyncNormBase):
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         inplace = self.inplace and input.is_contiguous(memory_format=stats.memory_format(input))
-        if not syncing and _local_kernels_fit(input, self.weight, self.bias, self.activation, self.activation_param,
-                                              self.eps):
+        if not syncing and not _takes_kernels(input, self.activation) and _local_kernels_fit(
+                input, self.weight, self.bias, self.activation, self.activation_param, self.eps):
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
             return _LocalBatchNormAct.apply(

@@ -80,6 +80,9 @@ __all__ = [
     "fixed_values",
     "payload_values",
     "pending_verdict",
+    "agreeing_values",
+    "defer",
+    "check_after_backward",
     "check_agreement",
     "reset",
 ]
@@ -251,17 +254,44 @@ def check_world(world: int) -> None:
         raise ValueError(f"syncbn's layer fingerprint is exact up to {MAX_WORLD} ranks, got {world}")
 
 
-def pending_verdict(sums: Tensor, group, tag: Tag, world: int, backward: bool = False) -> Tensor:
+def pending_verdict(sums: Tensor, group, tag: Tag, world: int, backward: bool = False,
+                    ok: Optional[Tensor] = None) -> Tensor:
     """The verdict on the ``SIZE`` summed fingerprint values, left on the device (two
     operations, no host read) and read by :func:`check_agreement` with the others of the
-    step; a 0-d bool tensor, true where every rank sent ``tag``."""
-    ok = _agree(sums, tag, world)
+    step; a 0-d bool tensor, true where every rank sent ``tag``. ``ok``: the verdict
+    computed already, by a kernel that compared the sums with :func:`agreeing_values`."""
+    if ok is None:
+        ok = _agree(sums, tag, world)
     _pending.append((ok, sums, tag, world, distributed.group_rank(group), backward))
     if backward:
         _check_after_backward()
     elif len(_pending) > 1024:  # forward-only loops: bound what waits
         check_agreement()
     return ok
+
+
+def agreeing_values(tag: Tag, world: int, dtype, device) -> Tensor:
+    """The summed fingerprint values that mean agreement (``world`` times this rank's), kept
+    on the device: what a kernel compares the summed payload's first ``SIZE`` values with."""
+    return stats.constant(_agreeing_sums, (tag, world), dtype, device)
+
+
+def defer(ok: Tensor, error: Exception) -> None:
+    """Raise ``error`` at the next :func:`check_agreement` unless ``ok`` (a 0-d bool tensor
+    on the device) holds: a device-side check of a layer call that costs no host read of
+    its own (read with the step's verdicts; call :func:`check_after_backward` from the
+    layer's backward so that it is read when that backward pass ends)."""
+    _pending.append((ok, None, error, None, None, None))
+    if len(_pending) > 1024:
+        check_agreement()
+
+
+def check_after_backward() -> None:
+    """Have the pending checks read when the running backward pass ends (what a
+    synchronized layer's backward does through :func:`end_step`), for a layer that
+    communicates nothing but :func:`defer`\ red a check."""
+    if _pending and not distributed.compiling():
+        _check_after_backward()
 
 
 def _agree(sums: Tensor, tag: Tag, world: int) -> Tensor:
@@ -305,6 +335,9 @@ def check_agreement() -> None:
             return
     for ok, sums, tag, world, rank, backward in pending:
         if not bool(ok):
+            if sums is None:  # a deferred check (defer): its own error
+                _pending.clear()
+                raise tag
             _raise(tag, sums, world, rank, backward)
 
 

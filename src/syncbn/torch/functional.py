@@ -12,6 +12,10 @@ with N the global element count of the channel. The backward pass sums
 device would compute on the concatenated batch; the weight and bias gradients stay
 local sums, to be averaged by the data-parallel wrapper.
 
+On CUDA the work is done by the Triton kernels of :mod:`syncbn.torch.kernels` where
+Triton is installed (four kernels forward, three backward, no host read), else by
+torch's ops (:mod:`syncbn.torch.stats`, the CUDA path).
+
 One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
 the input needs no gradient), whatever the world size; each also carries the call's
 fingerprint (18 values, :mod:`syncbn.torch.fingerprint`), so ranks in different layer calls
@@ -146,6 +150,13 @@ class _SyncBatchNorm(torch.autograd.Function):
         ctx.group, ctx.tag, ctx.world = group, tag, world
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.cuda = stats.cuda_path(x) and not distributed.compiling()
+        ctx.triton = ctx.cuda and stats.triton_path(x)
+        if ctx.triton:  # 4 kernels, 3 passes, no host read (syncbn.torch.kernels)
+            y, stats_c, count = _triton_forward(x, weight, bias, running_mean, running_var, eps, momentum,
+                                                group, tag, world)
+            ctx.eps = eps
+            ctx.save_for_backward(x, weight, stats_c, count)
+            return y
         if ctx.cuda:  # 3 passes, no host read (stats.cuda_path)
             y, mean_c, invstd, count = _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum,
                                                      group, tag, world)
@@ -190,8 +201,17 @@ class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("SyncBatchNorm")
-        x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.triton:
+            from . import kernels
+
+            x, weight = ctx.saved_tensors[:2]
+            if not kernels.flattenable(dy):
+                dy = dy.contiguous(memory_format=stats.memory_format(x))
+            dx, dw, db = _triton_backward(ctx, dy, x, weight, need_x, need_w, need_b)
+            fingerprint.end_step(ctx.group)
+            return dx, dw, db, None, None, None, None, None, None
+        x, weight, mean, invstd, count = ctx.saved_tensors
         dy = dy.contiguous(memory_format=stats.memory_format(x))
         if ctx.cuda:
             dx, dw, db = _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b)
@@ -334,6 +354,79 @@ def _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need
     dw = None if dw is None else dw.to(weight.dtype)
     db = None if db is None else db.to(ctx.bias_dtype)
     return dx, dw, db
+
+
+# ---- the CUDA path with the Triton kernels (syncbn.torch.kernels): per call, forward
+# the moments (2 launches: partial sums, payload), the all-reduce, the merge (verdict,
+# statistics, running buffers: 1) and the normalizing pass (1); backward the sums (2), the
+# all-reduce and the input gradient with the backward verdict (1). Same payloads as every
+# other path.
+
+
+def _momentum_tensor(momentum, device) -> Tensor:
+    if isinstance(momentum, Tensor):
+        return momentum
+    return stats.constant(stats._filled, (float(momentum), 1), torch.float64, device)
+
+
+def _empty_payload(channels: int, fixed: Tensor) -> Tensor:
+    zeros = stats.constant(stats._filled, (0.0, 1 + 2 * channels), fixed.dtype, fixed.device)
+    return torch.cat([fixed, zeros])
+
+
+def _triton_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, tag, world):
+    from . import kernels
+
+    fingerprint.check_world(world)
+    channels = x.shape[1]
+    n = x.numel() // channels if channels else 0
+    device = x.device
+    fixed = fingerprint.fixed_values(tag, torch.float64, device)
+    if n:
+        payload = kernels.moment_payload(kernels.moment_partials(x), fixed, n)
+    else:
+        payload = _empty_payload(channels, fixed)
+    summed = distributed.all_reduce_sum(payload, group)
+    size = fixed.shape[0]
+    agree = fingerprint.agreeing_values(tag, world, torch.float64, device)
+    stats_c, ok, _, _ = kernels.merge(summed, agree, stats.kernel_scalars(eps, device),
+                                      _momentum_tensor(momentum, device), running_mean, running_var,
+                                      stats.compute_dtype(x.dtype))
+    fingerprint.pending_verdict(summed[:size], group, tag, world, ok=ok)
+    _check_count(summed[size], n, x.shape, device_side=True)
+    y = kernels.normalize(x, weight, bias, stats_c, stats.kernel_scalars(eps, device))[0] if n else torch.empty_like(x)
+    return y, stats_c, summed[size]
+
+
+def _triton_backward(ctx, dy, x, weight, need_x, need_w, need_b):
+    from . import kernels
+
+    stats_c, count = ctx.saved_tensors[2:]
+    channels, device, cdtype = x.shape[1], x.device, stats_c.dtype
+    fixed = fingerprint.fixed_values(ctx.tag, cdtype, device)
+    scalars = stats.kernel_scalars(ctx.eps, device)
+    wdtype = cdtype if weight is None else weight.dtype
+    bdtype = ctx.bias_dtype or cdtype
+    if x.numel():
+        partials = kernels.grad_partials(dy, x, stats_c, scalars, weight)
+        payload, dw, db = kernels.grad_payload(partials, fixed, stats_c, 0, wdtype, bdtype)
+    else:
+        payload = _empty_payload(channels, fixed)[:-1]
+        dw = torch.zeros(channels, dtype=wdtype, device=device)
+        db = torch.zeros(channels, dtype=bdtype, device=device)
+    dx = None
+    if need_x:
+        summed = distributed.all_reduce_sum(payload, ctx.group)
+        size = fixed.shape[0]
+        if x.numel():
+            agree = fingerprint.agreeing_values(ctx.tag, ctx.world, cdtype, device)
+            dx, ok = kernels.input_grad(dy, x, stats_c, scalars, weight, None, None, None, summed, count, agree, 0,
+                                        x.dtype)
+            fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True, ok=ok)
+        else:
+            fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+            dx = torch.zeros_like(x)
+    return dx, dw if need_w else None, db if need_b else None
 
 
 def sync_batch_norm(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -51,6 +52,8 @@ __all__ = [
     "cuda_normalize",
     "cuda_backward_reduce",
     "cuda_input_grad",
+    "triton_path",
+    "kernel_scalars",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -474,7 +477,9 @@ def input_grad_from_output(dz, z, weight, bias, invstd, sum_dy, sum_dy_xhat, cou
 
 # ---- the CUDA path -------------------------------------------------------------------
 # On a GPU a layer call is bounded by passes over activation-sized tensors and by kernel
-# launches (DESIGN.md). On CUDA the synchronized layer takes torch's one-pass statistics
+# launches (DESIGN.md). Where Triton is installed, the layers take the kernels of
+# syncbn.torch.kernels (see triton_path below: 4 kernels forward, 3 backward, exact
+# moments); the torch-op path here is the fallback. On it the synchronized layer takes torch's one-pass statistics
 # kernel, C-sized operations with no host read, and torch's own SyncBatchNorm kernels to
 # normalize, for the backward reduction and for the input gradient: 3 passes forward (read
 # x; read x, write y) and 5 backward (read dy and x; read dy and x, write dx), as
@@ -502,6 +507,57 @@ def _forced_cuda_path():
 def cuda_path(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the CUDA path (a CUDA tensor, or the private switch is on)."""
     return x.device.type == "cuda" or _FORCE_CUDA_PATH
+
+
+# On the CUDA path, the Triton kernels of :mod:`syncbn.torch.kernels` replace torch's ops
+# wherever they apply (Triton installed, a supported dtype and rank): 5 launches forward
+# (with the module's num_batches_tracked += 1) and 3 backward per call instead of 17 and
+# 6, and exact local moments. The torch-op path
+# above stays the fallback. ``SYNCBN_TRITON=0`` in the environment keeps CUDA tensors on
+# it; ``_forced_triton_path`` (tests, ``syncbn bench``) sends CPU tensors through the
+# kernels, which Triton then runs in its interpreter (``TRITON_INTERPRET=1``).
+_TRITON_ENABLED = os.environ.get("SYNCBN_TRITON", "1") != "0"
+_FORCE_TRITON = False
+
+
+@contextlib.contextmanager
+def _forced_triton_path():
+    """Within the block, CPU tensors take the CUDA path with the Triton kernels (private:
+    tests and the bench; the process must interpret Triton, see
+    :func:`syncbn.torch.kernels.enable_interpreter`, else the torch-op path is taken)."""
+    global _FORCE_TRITON
+    before, _FORCE_TRITON = _FORCE_TRITON, True
+    try:
+        with _forced_cuda_path():
+            yield
+    finally:
+        _FORCE_TRITON = before
+
+
+def triton_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` (on the CUDA path) takes the Triton kernels: a CUDA tensor (unless
+    ``SYNCBN_TRITON=0``) or, in ``_forced_triton_path``, a CPU tensor, that
+    :func:`syncbn.torch.kernels.supports` admits, with spatial dims that flatten
+    without a copy (every dense layout)."""
+    if x.device.type == "cuda":
+        if not _TRITON_ENABLED:
+            return False
+    elif not (_FORCE_TRITON and x.device.type == "cpu"):
+        return False
+    from . import kernels
+
+    return kernels.supports(x) and kernels.flattenable(x)
+
+
+def _kernel_scalars(eps: float, param: float, budget: float, floor: float) -> list:
+    return [eps, param, budget, floor]
+
+
+def kernel_scalars(eps: float, device, param: float = 1.0, budget: float = 0.0, floor: float = 0.0):
+    """The kernels' float64 scalars ``[eps, activation parameter, budget, floor]``, kept on
+    the device (:func:`constant`)."""
+    return constant(_kernel_scalars, (float(eps), float(param), float(budget), float(floor)), torch.float64,
+                    device)
 
 
 # Small constant tensors of the CUDA path (the payload's fixed values, its offset and mask,

@@ -1,0 +1,354 @@
+"""The Triton kernels of the CUDA path (syncbn.torch.kernels), run on the CPU through
+Triton's interpreter: against the float64 oracle and the torch-op CUDA path, every layout,
+dtype, input rank and rank count, through the layers (the autograd Functions, the
+fingerprint, the running buffers) and alone.
+
+The interpreter must be chosen before Triton is first imported (``TRITON_INTERPRET=1``),
+so these tests run in a pool of their own, spawned with that variable; the session's
+pool and this process never import Triton. Tiny shapes: the interpreter runs each
+program in Python.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+pytest.importorskip("triton")
+
+from bn_oracle import Case, check_case, run_case  # noqa: E402
+from syncbn.tools.launch import WorkerPool  # noqa: E402
+from test_batchnorm import GRID  # noqa: E402
+from test_batchnorm_act import ActCase, check_act_case, run_act_case  # noqa: E402
+from test_batchnorm_act import _grid as act_grid  # noqa: E402
+from workers import group_of, in_group  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def triton_pool():
+    """4 gloo ranks whose Triton interprets kernels (CPU tensors)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pool = WorkerPool(4, backend="gloo", timeout=120)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    yield pool
+    pool.close()
+
+
+class _Launches:
+    """Counts the kernel launches of a block by wrapping the launchers."""
+
+    NAMES = ("moment_partials", "moment_payload", "merge", "normalize", "grad_partials", "grad_payload",
+             "input_grad")
+
+    def __enter__(self):
+        from syncbn.torch import kernels
+
+        self.kernels, self.calls, self.saved = kernels, {n: 0 for n in self.NAMES}, {}
+        for name in self.NAMES:
+            self.saved[name] = getattr(kernels, name)
+
+            def counted(*args, _name=name, **kwargs):
+                self.calls[_name] += 1
+                return self.saved[_name](*args, **kwargs)
+
+            setattr(kernels, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(self.kernels, name, fn)
+
+
+def kernel_case_job(case, path="triton"):
+    """bn_oracle's run_case (SyncBatchNorm; ActCase: SyncBatchNormAct) on the forced
+    Triton path (``path="cuda"``: the torch-op CUDA path), with the kernel calls made."""
+    from syncbn.torch import kernels, stats
+
+    assert kernels.available("cpu"), "the pool's Triton does not interpret"
+    forced = stats._forced_triton_path() if path == "triton" else stats._forced_cuda_path()
+    with _Launches() as launches, forced:
+        result = run_act_case(case) if isinstance(case, ActCase) else run_case(case)
+    if result is not None:
+        result["launches"] = launches.calls
+    return result
+
+
+def _ran_kernels(results, case):
+    """Every rank with rows ran every kernel (an empty rank of SyncBatchNormAct takes the
+    general path, of SyncBatchNorm the kernels' merge)."""
+    for size, r in zip(case.sizes, results[: case.world]):
+        calls = r["launches"]
+        if size:
+            assert all(calls[name] > 0 for name in _Launches.NAMES), calls
+
+
+def _name(case):
+    layout = "cl" if case.channels_last else "std"
+    return f"W{case.world}-{case.ndim}d-{case.dtype}-{layout}-{case.sizes}"
+
+
+# SyncBatchNorm's oracle grid (test_batchnorm.py: every world size, input rank and dtype,
+# both layouts, empty ranks, options cycled) where it synchronizes (W > 1)
+@pytest.mark.parametrize("case", [c for c in GRID if c.world > 1], ids=_name)
+def test_sync_batch_norm_on_kernels_matches_oracle(triton_pool, case):
+    """Output, input gradient, summed weight and bias gradients, running buffers and eval
+    output against float64 batch norm on the concatenation (bn_oracle's tolerances)."""
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, case)
+    check_case(case, results)
+
+
+def test_channels_last_3d_on_kernels_matches_oracle(triton_pool):
+    case = Case(world=3, sizes=(2, 0, 3), tail=(2, 3, 2), channels=5, dtype="float16", param_dtype="float32",
+                channels_last=True, momentum=None, steps=2, seed=3)
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, case)
+    check_case(case, results)
+
+
+# SyncBatchNormAct's oracle grid (test_batchnorm_act.py) for the kernels' activations
+@pytest.mark.parametrize("case", [c for c in act_grid() if c.activation != "elu"],
+                         ids=lambda c: f"{_name(c.base)}-{c.activation}")
+def test_act_grid_on_kernels_matches_oracle(triton_pool, case):
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, case.base)
+    check_act_case(case, results)
+
+
+ACT_CASES = [
+    ActCase(Case(world=2, sizes=(3, 2), tail=(3, 4), channels=4, dtype="float32", channels_last=True, steps=2),
+            "leaky_relu", 0.2),
+    ActCase(Case(world=3, sizes=(2, 3, 1), tail=(5,), channels=3, dtype="float64", steps=2), "identity", 0.01),
+    ActCase(Case(world=2, sizes=(2, 2), tail=(2, 3, 2), channels=3, dtype="bfloat16", param_dtype="float32",
+                 channels_last=True, steps=2), "leaky_relu", 0.01),
+    ActCase(Case(world=2, sizes=(4, 3), tail=(), channels=5, dtype="float16", param_dtype="float32", steps=2,
+                 momentum=None), "leaky_relu", 1.5),
+    ActCase(Case(world=1, sizes=(4,), tail=(3, 3), channels=3, dtype="float32", steps=2), "leaky_relu", 0.01),
+    # an empty rank takes the general path beside the kernels' ranks: the same payloads
+    ActCase(Case(world=3, sizes=(2, 0, 3), tail=(4, 3), channels=3, dtype="float32", steps=2), "leaky_relu", 0.1),
+]
+
+
+@pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"{_name(c.base)}-{c.activation}")
+def test_sync_batch_norm_act_on_kernels_matches_oracle(triton_pool, case):
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, case.base)
+    check_act_case(case, results)
+
+
+# weights where x-hat is lost (0) or badly conditioned next to the bias, negative weights
+HARD_WEIGHT = (0.0, -0.7, 1e-6, 3e-4, 1.2, -1e-3, 1e-30)
+HARD_BIAS = (0.5, 0.3, 2.0, 1.5, -0.2, -3.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("activation", ["leaky_relu", "identity"])
+def test_act_kernels_keep_hard_channels_exactly(triton_pool, dtype, activation):
+    """Channels whose x-hat the output cannot give back (w = 0, |w| << |b|) are chosen on
+    the device and their inputs kept by the normalizing kernel: exact gradients, with dy
+    correlated with x-hat (where a recovered x-hat would show its error)."""
+    # 64 channels (room for 4 kept): the 7 above, then ordinary ones; 4 of them are hard
+    base = Case(world=3, sizes=(3, 2, 2), tail=(2, 3), channels=64, dtype=dtype, steps=2, seed=5,
+                param_dtype="float32" if dtype == "bfloat16" else None)
+    rest = 64 - len(HARD_WEIGHT)
+    weight = HARD_WEIGHT + tuple(0.5 + (i % 5) / 4 for i in range(rest))
+    bias = HARD_BIAS + tuple((i % 7) / 3 - 1 for i in range(rest))
+    case = ActCase(base, activation, 0.01, weight=weight, bias=bias, dy_from_x=1.5)
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, base)
+    check_act_case(case, results)
+
+
+def overflow_job(hard: int, world: int = 2):
+    """SyncBatchNormAct(32) on the kernels: ``hard`` channels with w = 0 (the capacity is
+    32 // 16 = 2). Returns the name of the error raised by the end of the backward pass
+    (W = 1: no communication, the check still runs), or "ok"."""
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    torch.manual_seed(dist.get_rank())
+    layer = syncbn.SyncBatchNormAct(32, process_group=group)
+    with torch.no_grad():
+        layer.weight[:hard] = 0.0
+        layer.bias.uniform_(-1, 1)
+    x = (torch.randn(2, 32, 3, 3) + 2).requires_grad_()
+    try:
+        with stats._forced_triton_path():
+            layer(x).backward(torch.randn(2, 32, 3, 3))
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        fingerprint.reset()
+        return type(exc).__name__
+    return "ok"
+
+
+def test_act_kernels_raise_when_hard_channels_overflow(triton_pool):
+    """More hard channels than the kept buffer holds: the step's check raises on every
+    rank (never a silently wrong gradient); as many as it holds: no error."""
+    assert triton_pool.run(overflow_job, 2)[:2] == ["ok", "ok"]
+    assert triton_pool.run(overflow_job, 3)[:2] == ["KeptChannelsOverflow"] * 2
+    assert triton_pool.run(overflow_job, 3, 1)[0] == "KeptChannelsOverflow"
+    assert triton_pool.run(overflow_job, 2, 1)[0] == "ok"
+
+
+def saved_bytes_job():
+    """Bytes saved for backward: the fused layer on the kernels against BatchNorm2d +
+    LeakyReLU (the bench's measure), C = 64."""
+    import syncbn
+    from syncbn.tools.memory import saved_bytes
+    from syncbn.torch import stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    x = (torch.randn(2, 64, 16, 16) + 1).requires_grad_()
+    plain = saved_bytes(nn.Sequential(nn.BatchNorm2d(64), nn.LeakyReLU(0.01)), x)
+    with stats._forced_triton_path():
+        fused = saved_bytes(syncbn.SyncBatchNormAct(64, process_group=group), x)
+    return fused, plain
+
+
+def test_act_kernels_save_at_most_055_of_batchnorm_plus_activation(triton_pool):
+    for fused, plain in triton_pool.run(saved_bytes_job)[:2]:
+        assert fused / plain <= 0.55, (fused, plain)
+
+
+@pytest.mark.parametrize("case", [
+    Case(world=3, sizes=(3, 0, 2), tail=(4, 3), channels=4, dtype="float64", channels_last=True, steps=2),
+    Case(world=2, sizes=(2, 3), tail=(2, 2, 3), channels=3, dtype="float64", steps=2, momentum=None),
+], ids=_name)
+def test_kernels_match_the_torch_op_path(triton_pool, case):
+    """float64: the kernels and torch's ops compute the same formulas (the kernels' sums in
+    float64 around another shift): within a few 2^-53 times the element count, 1e-12."""
+    ours = triton_pool.run(kernel_case_job, case)[: case.world]
+    theirs = triton_pool.run(kernel_case_job, case, "cuda")[: case.world]
+    for a, b in zip(ours, theirs):
+        for sa, sb in zip(a["steps"], b["steps"]):
+            for key in ("y", "dx", "dweight", "dbias"):
+                torch.testing.assert_close(sa[key], sb[key], rtol=1e-12, atol=1e-12, msg=key)
+        for key, value in b["buffers"].items():
+            torch.testing.assert_close(a["buffers"][key], value, rtol=1e-12, atol=1e-12, msg=key)
+
+
+def far_from_zero_job(ratio: float, layout: str):
+    """Emulated W = 2 in one process: each half of a float32 batch packed by the kernels,
+    the payloads summed, then merged; the merged mean and variance against float64."""
+    from syncbn.torch import fingerprint, kernels, stats
+
+    gen = torch.Generator().manual_seed(7)
+    x64 = torch.randn(4, 3, 24, 24, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 0.5, 2.0]).view(
+        1, 3, 1, 1).double() + ratio * torch.tensor([1.0, -1.5, 0.75]).view(1, 3, 1, 1).double()
+    x = x64.float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    fixed = torch.zeros(fingerprint.SIZE, dtype=torch.float64)
+    summed = sum(kernels.moment_payload(kernels.moment_partials(part), fixed, part.numel() // 3)
+                 for part in (x[:2], x[2:]))
+    scalars = stats.kernel_scalars(0.0, "cpu")
+    rv = torch.ones(3, dtype=torch.float64)
+    stats_c, ok, _, _ = kernels.merge(summed, fixed, scalars, torch.tensor(1.0, dtype=torch.float64), None, rv,
+                                      torch.float32)
+    ref = x.double()
+    var = ref.var(dim=(0, 2, 3), correction=1)
+    mean = ref.mean(dim=(0, 2, 3))
+    return {"ok": bool(ok), "var": float(((rv - var).abs() / var).max()),
+            "mean": float(((stats_c[0].double() + stats_c[1].double() - mean).abs() / var.sqrt()).max())}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("ratio", [1e3, 1e4])
+def test_merged_variance_exact_far_from_zero(triton_pool, ratio, layout):
+    """float32 at |mean| / std up to 1e4: merged variance within 1e-6 relative (the bar;
+    the kernels' analysis gives ~2^-53 r^2 ~ 1e-8), the mean within 1e-6 std (mean_hi +
+    mean_lo; torch's float32 kernel is off by ~u r = 6e-4 std at 1e4)."""
+    got = triton_pool.run(far_from_zero_job, ratio, layout)[0]
+    assert got["ok"]
+    assert got["var"] < 1e-6, got
+    assert got["mean"] < 1e-6, got
+
+
+def mismatch_job():
+    """Rank 0 and rank 1 in different layers (other names): both raise at the step's
+    check, and neither moves its running buffers."""
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    layer = syncbn.SyncBatchNorm(3, process_group=group)
+    fingerprint.set_layer_name(layer, f"layer{dist.get_rank()}")
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    try:
+        with stats._forced_triton_path():
+            layer(x).backward(torch.randn(2, 3, 4))
+    except fingerprint.LayerMismatchError:
+        fingerprint.reset()
+        return bool((layer.running_mean == 0).all() and (layer.running_var == 1).all())
+    return "no error"
+
+
+def test_kernels_keep_the_fingerprint_check(triton_pool):
+    assert triton_pool.run(mismatch_job)[:2] == [True, True]
+
+
+def too_few_job(sizes):
+    import syncbn
+    from syncbn.torch import stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    layer = syncbn.SyncBatchNorm(3, process_group=group)
+    x = torch.randn(sizes[dist.get_rank()], 3)
+    try:
+        with stats._forced_triton_path():
+            layer(x)
+    except (RuntimeError, ValueError) as exc:
+        return "more than 1 value" in str(exc)
+    return "no error"
+
+
+def test_kernels_refuse_one_value_per_channel(triton_pool):
+    assert triton_pool.run(too_few_job, (1, 0))[:2] == [True, True]
+
+
+def fallback_job():
+    """An input whose spatial dims do not flatten without a copy (a transposed plane)
+    takes the torch-op path; the same values laid out densely take the kernels: the same
+    output and gradients (float64)."""
+    import syncbn
+    from syncbn.torch import stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())
+    base = torch.randn(2, 3, 5, 4, generator=gen, dtype=torch.float64) + 2
+    dy = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
+    out = []
+    for x in (base.transpose(2, 3), base.transpose(2, 3).contiguous()):
+        x = x.detach().requires_grad_()
+        layer = syncbn.SyncBatchNorm(3, process_group=group).double()
+        with _Launches() as launches, stats._forced_triton_path():
+            y = layer(x)
+            y.backward(dy)
+        out.append((y.detach(), x.grad, layer.weight.grad, layer.running_var.clone(), sum(launches.calls.values())))
+    return out
+
+
+def test_inputs_the_kernels_do_not_take_fall_back_to_torch_ops(triton_pool):
+    for strided, dense in triton_pool.run(fallback_job)[:2]:
+        assert strided[-1] == 0 and dense[-1] > 0
+        for a, b in zip(strided[:-1], dense[:-1]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
