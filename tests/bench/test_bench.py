@@ -276,22 +276,13 @@ def _cuda_counts(pool):
     compiling), once per session."""
     if "report" not in _COUNTS:
         import importlib.util
-        import os
 
-        from syncbn.tools.launch import WorkerPool
+        from triton_pool import interpreting_pool
 
         if importlib.util.find_spec("triton") is None:
             _COUNTS["report"] = pool.run(cuda_counts_job, _COUNT_SPEC)[0]
         else:
-            before = os.environ.get("TRITON_INTERPRET")
-            os.environ["TRITON_INTERPRET"] = "1"
-            try:
-                interpreting = WorkerPool(2, backend="gloo", timeout=120)
-            finally:
-                if before is None:
-                    del os.environ["TRITON_INTERPRET"]
-                else:
-                    os.environ["TRITON_INTERPRET"] = before
+            interpreting = interpreting_pool(2)
             try:
                 _COUNTS["report"] = interpreting.run(cuda_counts_job, _COUNT_SPEC)[0]
             finally:

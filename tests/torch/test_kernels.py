@@ -9,7 +9,6 @@ pool and this process never import Triton. Tiny shapes: the interpreter runs eac
 program in Python.
 """
 
-import os
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ import torch.nn as nn
 pytest.importorskip("triton")
 
 from bn_oracle import Case, check_case, run_case  # noqa: E402
-from syncbn.tools.launch import WorkerPool  # noqa: E402
 from test_batchnorm import GRID  # noqa: E402
+from triton_pool import interpreting_pool  # noqa: E402
 from test_batchnorm_act import ActCase, check_act_case, run_act_case  # noqa: E402
 from test_batchnorm_act import _grid as act_grid  # noqa: E402
 from workers import group_of, in_group  # noqa: E402
@@ -29,15 +28,7 @@ from workers import group_of, in_group  # noqa: E402
 @pytest.fixture(scope="module")
 def triton_pool():
     """4 gloo ranks whose Triton interprets kernels (CPU tensors)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = WorkerPool(4, backend="gloo", timeout=120)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+    pool = interpreting_pool(4)
     yield pool
     pool.close()
 
