@@ -9,7 +9,6 @@ pool and this process never import Triton. Tiny shapes: the interpreter runs eac
 program in Python.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist
