@@ -250,24 +250,28 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict, multiworker: Optional
             bars.append(_bar(name, None, "not measured"))
             return
         r = s["median_ratio_to_bn"]
-        bars.append(_bar(name, r <= limit, f"median ratio {r:.2f}x over {s['points']} point(s) "
-                                          f"(min {s['min_ratio_to_bn']:.2f}x, max {s['max_ratio_to_bn']:.2f}x); "
-                                          f"bar <= {limit:.2f}x"))
+        figure = (f"median ratio {r:.2f}x over {s['points']} point(s) "
+                  f"(min {s['min_ratio_to_bn']:.2f}x, max {s['max_ratio_to_bn']:.2f}x)")
+        if limit is None:  # a figure only
+            bars.append(_bar(name, None, figure))
+        else:
+            bars.append(_bar(name, r <= limit, f"{figure}; bar <= {limit:.2f}x"))
 
     ratio_bar("syncbn with no process group within 1.10x of torch.nn.BatchNorm2d", "syncbn", None, 1.10)
     ratio_bar("syncbn at W = 1 within 1.10x of torch.nn.BatchNorm2d", "syncbn", 1, 1.10)
-    # Over gloo on a small VM one loopback all-reduce costs 0.2-3 ms, which measures the VM:
-    # the bar is on what syncbn controls, its time minus its two all-reduces (timed inside
-    # the layer call, in the same blocks).
-    ratio_bar("syncbn at W = 2 minus its two all-reduces (timed inside the call) within 1.3x of "
-              "torch.nn.BatchNorm2d on the same per-rank batch", "syncbn_compute", 2, 1.3)
+    # syncbn's time at W = 2 minus its two all-reduces (timed inside the layer call, in the
+    # same blocks), against BatchNorm2d: a figure, no longer a bar (issue #34 retired the
+    # earlier "within 1.3x": on a 2-vCPU VM it measured Python's overhead, not the layer),
+    # with BatchNorm2d holding the same two all-reduces in its step beside it as the control.
+    ratio_bar("figure, no bar (retired): syncbn at W = 2 minus its two all-reduces (timed inside the call) "
+              "against torch.nn.BatchNorm2d on the same per-rank batch", "syncbn_compute", 2, None)
     same_steps = summary.get(("bn_collectives_compute", 2))
-    if same_steps and same_steps["median_ratio_to_bn"] is not None and bars[-1]["passed"] is not None:
+    if same_steps and same_steps["median_ratio_to_bn"] is not None and "not measured" not in bars[-1]["figure"]:
         # beside it, what two blocking all-reduces in a step do to BatchNorm2d's own work
         bars[-1]["figure"] += (f"; BatchNorm2d with the same two all-reduces in its step, minus them: median "
                                f"{same_steps['median_ratio_to_bn']:.2f}x (no bar)")
     emulated = summary.get(("syncbn_emulated", None))
-    if emulated and emulated["median_ratio_to_bn"] is not None and bars[-1]["passed"] is not None:
+    if emulated and emulated["median_ratio_to_bn"] is not None and "not measured" not in bars[-1]["figure"]:
         # the layer's own work with no gloo and no second process on the cores
         bars[-1]["figure"] += (f"; syncbn's synchronized step emulated in one process (no communication): median "
                                f"{emulated['median_ratio_to_bn']:.2f}x, {emulated['min_ratio_to_bn']:.2f}-"
