@@ -19,6 +19,10 @@ sharing GPU 0) check the CUDA path of ``syncbn.SyncBatchNorm``:
   syncbn's step minus its all-reduces beside BatchNorm2d's step with the same two
   all-reduces minus them (the W = 2 bar of the CPU bench), and each layer alone on
   rank 0 in a group of one (the no-group bar);
+- **deeplab**: one training step of torchvision's DeepLabV3-ResNet50 (2 x 3 x 512 x 512 per
+  rank, bf16 autocast, channels_last, a group of two emulated in one process) converted by
+  syncbn, by ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, and left unsynchronized
+  (:func:`deeplab_job`);
 - **compile**: ``torch.compile(fullgraph=True)`` of a small converted model on the
   device, two training steps against eager (float64, bound 1e-9).
 
@@ -458,6 +462,60 @@ def emulated_job(device: str, repeats: int) -> list:
     return rows if dist.get_rank() == 0 else None
 
 
+# The real step of issue 34: torchvision's DeepLabV3-ResNet50, 2 x 3 x 512 x 512 per rank,
+# bf16 autocast, channels_last, a group of two emulated in one process; on the CPU (the
+# dry run and the suite) a 2 x 3 x 64 x 64 batch.
+DEEPLAB_SHAPE = {"cuda": (2, 3, 512, 512), "cpu": (2, 3, 64, 64)}
+
+
+def deeplab_job(device: str, repeats: int) -> list:
+    """Rank 0 alone: one training step (forward under bf16 autocast, cross-entropy, backward;
+    no optimizer) of torchvision's DeepLabV3-ResNet50 (random init, 21 classes) with its
+    batch norms converted by syncbn, by ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``
+    (CUDA only) and left as BatchNorm2d (the unsynchronized floor), each in a group of two
+    emulated without communication (:class:`_NoCommunication`); the median step time."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _setup(device)
+    rows = []
+    if dist.get_rank() == 0:
+        import torchvision
+
+        from .. import torch as sbn
+
+        shape = DEEPLAB_SHAPE[device]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=gen).to(dev).contiguous(memory_format=torch.channels_last)
+        target = torch.randint(0, 21, (shape[0], shape[2], shape[3]), generator=gen).to(dev)
+        converters = {"syncbn.convert_sync_batchnorm": sbn.convert_sync_batchnorm,
+                      "torch.nn.BatchNorm2d (not synchronized)": lambda m: m}
+        if device == "cuda":
+            converters["torch.nn.SyncBatchNorm.convert_sync_batchnorm"] = torch.nn.SyncBatchNorm.convert_sync_batchnorm
+        clock = _Clock(device)
+        for name, convert in converters.items():
+            torch.manual_seed(0)
+            model = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
+                                                                       num_classes=21, aux_loss=False)
+            model = convert(model).to(dev).to(memory_format=torch.channels_last).train()
+
+            def step():
+                with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                    out = model(x)["out"]
+                torch.nn.functional.cross_entropy(out.float(), target).backward()
+
+            try:
+                with _forcing(device), _NoCommunication():
+                    whole, _ = _median_ms(clock, step, repeats)
+                rows.append({"model": "deeplabv3_resnet50", "shape": list(shape), "impl": name,
+                             "world": "2, emulated", "median_ms": whole})
+            except Exception as exc:  # rank 0 alone: nothing waits on it
+                rows.append({"model": "deeplabv3_resnet50", "shape": list(shape), "impl": name, "error": repr(exc)})
+            del model
+    dist.barrier()
+    return rows if dist.get_rank() == 0 else None
+
+
 def _replayable(device: str, step):
     """``step`` captured once in a CUDA graph after three warm-up calls on a side stream
     (torch's recipe), returned as the graph's replay; on the CPU, ``step`` itself."""
@@ -587,7 +645,8 @@ def main(argv=None) -> int:
         for name, job, extra in (("oracle", oracle_job, ()), ("numerics", numerics_job, ()),
                                  ("counts", counts_job, ()), ("timing", timing_job, (args.repeats,)),
                                  ("emulated", emulated_job, (args.repeats,)),
-                                 ("graphs", graphs_job, (args.repeats,)), ("compile", compile_job, ())):
+                                 ("graphs", graphs_job, (args.repeats,)),
+                                 ("deeplab", deeplab_job, (max(3, args.repeats // 3),)), ("compile", compile_job, ())):
             if args.sections and name not in args.sections:
                 continue
             try:
@@ -654,7 +713,7 @@ def _markdown(report: dict) -> str:
         if isinstance(report.get(section), list):
             lines += [f"## {section} summary (ratios over the grid)", ""]
             lines += [f"- {k}: {json.dumps(v)}" for k, v in timing_summary(report[section]).items() if v] + [""]
-    for section in ("oracle", "numerics", "counts", "timing", "emulated", "graphs", "compile"):
+    for section in ("oracle", "numerics", "counts", "timing", "emulated", "graphs", "deeplab", "compile"):
         if section not in report:
             continue
         lines += [f"## {section}", ""]
