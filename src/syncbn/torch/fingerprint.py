@@ -289,7 +289,7 @@ def defer(ok: Tensor, error: Exception) -> None:
 def check_after_backward() -> None:
     """Have the pending checks read when the running backward pass ends (what a
     synchronized layer's backward does through :func:`end_step`), for a layer that
-    communicates nothing but :func:`defer`\ red a check."""
+    communicates nothing but has a check deferred with :func:`defer`."""
     if _pending and not distributed.compiling():
         _check_after_backward()
 
