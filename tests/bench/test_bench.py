@@ -304,7 +304,8 @@ def test_cuda_path_counts_meet_the_bars(pool):
     dy and x or y; read them again, write dx), no host synchronisation in a layer call,
     one collective each way. Counts, not times: the same on any machine."""
     rep = _cuda_counts(pool)
-    for row in rep["syncbn"] + (rep["syncbn_act"] if rep["syncbn"][0]["path"] == "triton" else []):
+    acts = rep["syncbn_act"] + rep["syncbn_act_elu"]
+    for row in rep["syncbn"] + (acts if rep["syncbn"][0]["path"] == "triton" else []):
         assert row["forward"]["passes"] == 3 and row["backward"]["passes"] == 5, row
         for way in ("forward", "backward"):
             assert row[way]["collectives"] == 1, row[way]
@@ -333,7 +334,7 @@ def test_cuda_path_launches_meet_the_bars(pool):
     launches 14 and 3 (read off its source)."""
     pytest.importorskip("triton")
     rep = _cuda_counts(pool)
-    for row in rep["syncbn"] + rep["syncbn_act"]:
+    for row in rep["syncbn"] + rep["syncbn_act"] + rep["syncbn_act_elu"]:
         assert row["path"] == "triton", row["path"]
         for way in ("forward", "backward"):
             assert row[way]["launches"] <= cuda_counts.BARS[way]["launches"], row[way]

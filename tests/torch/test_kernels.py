@@ -104,12 +104,26 @@ def test_channels_last_3d_on_kernels_matches_oracle(triton_pool):
     check_case(case, results)
 
 
+def _on_kernels(case):
+    """Whether the kernels take the activated layer's case (ELU: float32/float64 inputs)."""
+    return case.activation != "elu" or case.base.dtype in ("float32", "float64")
+
+
 # SyncBatchNormAct's oracle grid (test_batchnorm_act.py) for the kernels' activations
-@pytest.mark.parametrize("case", [c for c in act_grid() if c.activation != "elu"],
+@pytest.mark.parametrize("case", [c for c in act_grid() if _on_kernels(c)],
                          ids=lambda c: f"{_name(c.base)}-{c.activation}")
 def test_act_grid_on_kernels_matches_oracle(triton_pool, case):
     results = triton_pool.run(kernel_case_job, case)
     _ran_kernels(results, case.base)
+    check_act_case(case, results)
+
+
+def test_half_elu_takes_the_torch_op_path(triton_pool):
+    """float16/bfloat16 ELU keeps nearly every channel's input under half's budgets (more
+    than the kernels' buffer holds): it takes the torch-op path, no kernel launched."""
+    case = next(c for c in act_grid() if not _on_kernels(c) and all(c.base.sizes))
+    results = triton_pool.run(kernel_case_job, case)
+    assert all(sum(r["launches"].values()) == 0 for r in results[: case.base.world])
     check_act_case(case, results)
 
 
@@ -157,7 +171,54 @@ def test_act_kernels_keep_hard_channels_exactly(triton_pool, dtype, activation):
     check_act_case(case, results)
 
 
-def overflow_job(hard: int, world: int = 2):
+# ELU: channels that saturate (a bias far below zero: channels 0 and 1; channel 4 through
+# its negative weight, from the maximum), and one that saturates on one rank only
+# (channel 3: an outlier on rank 0), chosen per rank from its own minimum and maximum
+ELU_WEIGHT = {"float32": (1.0, -1.0, 0.5, 1.0, -4.0), "float64": (1.0, -1.0, 0.5, 1.0, -8.0)}
+ELU_BIAS = {"float32": (-14.0, -14.0, 0.3, -2.5, -6.0), "float64": (-33.0, -33.0, 0.3, -8.0, -16.0)}
+
+
+def _with_outlier(made):
+    def data(case):
+        out = made(case)
+        for xs, _ in out["steps"]:
+            xs[0].view(xs[0].shape[0], xs[0].shape[1], -1)[0, 3, 0] = -40.0
+        return out
+    return data
+
+
+def elu_outlier_job(case):
+    """kernel_case_job with an outlier (-40) in channel 3 of rank 0's first sample."""
+    import test_batchnorm_act
+
+    made = test_batchnorm_act.act_data
+    test_batchnorm_act.act_data = _with_outlier(made)
+    try:
+        return kernel_case_job(case)
+    finally:
+        test_batchnorm_act.act_data = made
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_elu_kernels_keep_saturating_channels_exactly(triton_pool, dtype, monkeypatch):
+    """ELU's channels whose recovered x-hat would amplify rounding past the budget
+    (exp(-z_min) / |w|, z_min the rank's most negative pre-activation) keep their inputs,
+    chosen on the device from each rank's local extremes: exact gradients, and the
+    statistics and buffers of the oracle."""
+    import test_batchnorm_act
+
+    base = Case(world=2, sizes=(3, 2), tail=(4, 3), channels=64, dtype=dtype, steps=2, seed=9)
+    rest = 64 - len(ELU_WEIGHT[dtype])
+    weight = ELU_WEIGHT[dtype] + tuple(0.5 + (i % 5) / 4 for i in range(rest))
+    bias = ELU_BIAS[dtype] + tuple((i % 7) / 3 - 1 for i in range(rest))
+    case = ActCase(base, "elu", 0.3, weight=weight, bias=bias, dy_from_x=1.5)
+    results = triton_pool.run(elu_outlier_job, case)
+    _ran_kernels(results, base)
+    monkeypatch.setattr(test_batchnorm_act, "act_data", _with_outlier(test_batchnorm_act.act_data))
+    check_act_case(case, results)
+
+
+def overflow_job(hard: int, world: int = 2, activation: str = "leaky_relu"):
     """SyncBatchNormAct(32) on the kernels: ``hard`` channels with w = 0 (the capacity is
     32 // 16 = 2). Returns the name of the error raised by the end of the backward pass
     (W = 1: no communication, the check still runs), or "ok"."""
@@ -168,10 +229,13 @@ def overflow_job(hard: int, world: int = 2):
     if not in_group(world):
         return None
     torch.manual_seed(dist.get_rank())
-    layer = syncbn.SyncBatchNormAct(32, process_group=group)
+    layer = syncbn.SyncBatchNormAct(32, activation, process_group=group)
     with torch.no_grad():
-        layer.weight[:hard] = 0.0
         layer.bias.uniform_(-1, 1)
+        if activation == "elu":  # saturated: exp(9 + ...) > 2**8
+            layer.bias[:hard] = -9.0
+        else:
+            layer.weight[:hard] = 0.0
     x = (torch.randn(2, 32, 3, 3) + 2).requires_grad_()
     try:
         with stats._forced_triton_path():
@@ -189,6 +253,52 @@ def test_act_kernels_raise_when_hard_channels_overflow(triton_pool):
     assert triton_pool.run(overflow_job, 3)[:2] == ["KeptChannelsOverflow"] * 2
     assert triton_pool.run(overflow_job, 3, 1)[0] == "KeptChannelsOverflow"
     assert triton_pool.run(overflow_job, 2, 1)[0] == "ok"
+
+
+def test_elu_kernels_raise_when_saturating_channels_overflow(triton_pool):
+    assert triton_pool.run(overflow_job, 2, 2, "elu")[:2] == ["ok", "ok"]
+    assert triton_pool.run(overflow_job, 3, 2, "elu")[:2] == ["KeptChannelsOverflow"] * 2
+
+
+def one_rank_overflow_job(outliers: int, input_grad: bool = True, empty_rank: bool = False):
+    """SyncBatchNormAct(32, "elu") on the kernels, float32, 4 ranks: only rank 0's data has an
+    outlier (-1e4) in its first ``outliers`` channels, so only rank 0's ELU saturates there
+    (z_min about -8: exp(8) > 2**8) and only rank 0 runs out of its 2 kept channels when
+    ``outliers`` > 2; the others' data (about N(2, 1), z > 0) keep nothing. With
+    ``empty_rank`` rank 3 has no samples. Returns the name of the error each rank raised by
+    the end of the backward pass, or "ok"."""
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+
+    torch.manual_seed(dist.get_rank())
+    layer = syncbn.SyncBatchNormAct(32, "elu")
+    with torch.no_grad():
+        layer.bias.zero_()
+    x = torch.randn(0 if empty_rank and dist.get_rank() == 3 else 2, 32, 3, 3) + 2
+    if dist.get_rank() == 0:
+        x[0, :outliers, 0, 0] = -1e4
+    x.requires_grad_(input_grad)
+    try:
+        with stats._forced_triton_path():
+            layer(x).backward(torch.randn_like(x))
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        fingerprint.reset()
+        return type(exc).__name__
+    return "ok"
+
+
+def test_elu_kernels_raise_on_every_rank_when_one_rank_overflows(triton_pool):
+    """ELU's kept channels are chosen per rank (from its own extremes), but the overflow
+    rides in the backward all-reduce: when only rank 0 runs out of room (its inexact sums
+    already in every rank's input gradient) every rank raises KeptChannelsOverflow at the
+    step's check, with or without an input gradient (then the backward all-reduces anyway)
+    and with an empty rank; below the capacity no rank raises."""
+    assert triton_pool.run(one_rank_overflow_job, 2) == ["ok"] * 4
+    assert triton_pool.run(one_rank_overflow_job, 3) == ["KeptChannelsOverflow"] * 4
+    assert triton_pool.run(one_rank_overflow_job, 3, False) == ["KeptChannelsOverflow"] * 4
+    assert triton_pool.run(one_rank_overflow_job, 3, True, True) == ["KeptChannelsOverflow"] * 4
+    assert triton_pool.run(one_rank_overflow_job, 3, False, True) == ["KeptChannelsOverflow"] * 4
+    assert triton_pool.run(one_rank_overflow_job, 2, False, True) == ["ok"] * 4
 
 
 def saved_bytes_job():

@@ -41,8 +41,8 @@ def _variants():
         ct = _compute(dtype)
         yield ("_moment_partials_kernel", {"x_ptr": f"*{dtype}", "part_ptr": "*fp64",
                                            **_ints("C", "S", "T", "SB", "s_n", "s_c", "s_s", "tiles_per_prog")},
-               {"BLOCK_R": 64, "BLOCK_C": 32})
-        for act, keep, affine in itertools.product((0, 1), (False, True), (False, True)):
+               {"BLOCK_R": 64, "BLOCK_C": 32, "EXTREMES": dtype in ("fp32", "fp64")})
+        for act, keep, affine in itertools.product((0, 1, 2), (False, True), (False, True)):
             if keep and not act:
                 continue
             yield ("_normalize_kernel", {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "w_ptr": "*fp32", "b_ptr": "*fp32",
@@ -51,35 +51,41 @@ def _variants():
                                          **_ints("C", "S", "SB", "s_n", "s_c", "s_s", "y_n", "y_c", "y_s", "k_n", "k_c",
                                                  "k_s")},
                    {"BLOCK_R": 16, "BLOCK_C": 64, "HAS_W": affine, "HAS_B": affine, "ACT": act, "KEEP": keep})
-        for mode, keep in ((0, False), (1, False), (1, True)):
+        for mode, keep in ((0, False), (1, False), (1, True), (2, False), (2, True)):
             common = {"dy_ptr": f"*{dtype}", "src_ptr": f"*{dtype}", "stats_ptr": f"*{ct}", "scalar_ptr": "*fp64",
                       "w_ptr": "*fp32", "b_ptr": "*fp32", "slot_ptr": "*i32", "keep_ptr": f"*{dtype}"}
-            flags = {"MODE": mode, "HAS_W": True, "HAS_B": mode == 1, "KEEP": keep}
+            flags = {"MODE": mode, "HAS_W": True, "HAS_B": mode >= 1, "KEEP": keep}
             yield ("_grad_partials_kernel", {**common, "part_ptr": "*fp64",
                                              **_ints("C", "S", "T", "SB", "d_n", "d_c", "d_s", "s_n", "s_c", "s_s",
                                                      "k_n", "k_c", "k_s", "tiles_per_prog")},
                    {"BLOCK_R": 64, "BLOCK_C": 16, **flags})
             yield ("_input_grad_kernel", {**common, "sum_ptr": f"*{ct}", "count_ptr": "*fp64", "agree_ptr": f"*{ct}",
-                                          "ok_ptr": "*i1", "dx_ptr": f"*{dtype}",
+                                          "ok_ptr": "*i1", "fit_ptr": "*i1", "dx_ptr": f"*{dtype}",
                                           **_ints("C", "S", "SB", "d_n", "d_c", "d_s", "s_n", "s_c", "s_s", "k_n",
                                                   "k_c", "k_s", "o_n", "o_c", "o_s")},
                    {"SIZE": 18, "LANES": 32, "BLOCK_R": 64, "BLOCK_C": 16, **flags})
     for ct in ("fp32", "fp64"):
-        for mode in (0, 1):
-            yield ("_grad_payload_kernel", {"part_ptr": "*fp64", "fixed_ptr": f"*{ct}", "stats_ptr": f"*{ct}",
-                                            "out_ptr": f"*{ct}", "dw_ptr": "*fp32", "db_ptr": "*fp32",
-                                            **_ints("C", "P")},
-                   {"SIZE": 18, "LANES": 32, "BLOCK": 128, "MODE": mode, "WIDE_W": ct == "fp64", "WIDE_B": False})
-        for running, choose in itertools.product((False, True), (False, True)):
+        for mode in (0, 1, 2):
+            for has_fits in (False, True) if mode else (False,):
+                yield ("_grad_payload_kernel", {"part_ptr": "*fp64", "fixed_ptr": f"*{ct}", "stats_ptr": f"*{ct}",
+                                                "fits_ptr": "*i1" if has_fits else "*fp32", "out_ptr": f"*{ct}",
+                                                "dw_ptr": "*fp32", "db_ptr": "*fp32", **_ints("C", "P")},
+                       {"SIZE": 18, "LANES": 32, "BLOCK": 128, "MODE": mode, "WIDE_W": ct == "fp64", "WIDE_B": False,
+                        "HAS_FITS": has_fits})
+        for running, choose, elu in itertools.product((False, True), (False, True), (False, True)):
+            if elu and not choose:
+                continue
             yield ("_merge_kernel", {"sum_ptr": "*fp64", "agree_ptr": "*fp64", "scalar_ptr": "*fp64",
                                      "mom_ptr": "*fp64",
                                      "rm_ptr": "*fp32", "rv_ptr": "*fp32", "stats_ptr": f"*{ct}", "ok_ptr": "*i1",
                                      "w_ptr": "*fp32", "b_ptr": "*fp32", "slot_ptr": "*i32", "fits_ptr": "*i1",
-                                     **_ints("C", "capacity")},
+                                     "ext_ptr": "*fp64", **_ints("C", "capacity")},
                    {"SIZE": 18, "LANES": 32, "BLOCK": 256, "HAS_RM": running, "HAS_RV": running, "CHOOSE": choose,
-                    "HAS_W": choose, "HAS_B": choose, "WIDE": ct == "fp64"})
-    yield ("_moment_payload_kernel", {"part_ptr": "*fp64", "fixed_ptr": "*fp64", "out_ptr": "*fp64",
-                                      **_ints("C", "P", "n")}, {"SIZE": 18, "LANES": 32, "BLOCK": 256})
+                    "HAS_W": choose, "HAS_B": choose, "WIDE": ct == "fp64", "ELU": elu})
+    for extremes in (False, True):
+        yield ("_moment_payload_kernel", {"part_ptr": "*fp64", "fixed_ptr": "*fp64", "out_ptr": "*fp64",
+                                          "ext_ptr": "*fp64", **_ints("C", "P", "n")},
+               {"SIZE": 18, "LANES": 32, "BLOCK": 256, "EXTREMES": extremes})
 
 
 VARIANTS = list(_variants())
@@ -112,7 +118,15 @@ def test_launchers_have_shapes_for_torch_compile():
         y, keep = kernels.normalize(x, w, w, stats, scalars, 1, slots, 1)
         assert y.shape == x.shape and y.dtype == x.dtype and keep.shape == (2, 1, 4, 5)
         grads = kernels.grad_partials(x, y, stats, scalars, w, w, slots, keep, mode=1)
-        out, dw, db = kernels.grad_payload(grads, fixed.float(), stats, 1, torch.float32, torch.float32)
-        assert out.shape == (18 + 12,) and dw.shape == db.shape == (6,)
-        dx, ok = kernels.input_grad(x, y, stats, scalars, w, w, slots, keep, out, payload[18], fixed.float(), 1)
-        assert dx.shape == x.shape and dx.dtype == x.dtype and ok.dtype == torch.bool
+        out, dw, db = kernels.grad_payload(grads, fixed.float(), stats, 1, torch.float32, torch.float32, fits)
+        assert out.shape == (18 + 12 + 1,) and dw.shape == db.shape == (6,)  # + the rank's overflow
+        dx, ok, fit = kernels.input_grad(x, y, stats, scalars, w, w, slots, keep, out, payload[18], fixed.float(), 1)
+        assert dx.shape == x.shape and dx.dtype == x.dtype and ok.dtype == fit.dtype == torch.bool and fit.dim() == 0
+        out0 = kernels.grad_payload(grads, fixed.float(), stats, 0, torch.float32, torch.float32)[0]
+        assert out0.shape == (18 + 12,)  # SyncBatchNorm: unchanged
+        assert len(kernels.input_grad(x, x, stats, scalars, w, None, None, None, out0, payload[18], fixed.float(),
+                                      0)) == 2
+        x32 = x.float()  # ELU: the local extremes from the moments' pass
+        payload, local = kernels.moment_payload(kernels.moment_partials(x32, True), fixed, 40, True)
+        assert payload.shape == (18 + 1 + 12,) and local.shape == (2, 6) and local.dtype == torch.float64
+        assert kernels.merge(payload, fixed, scalars, momentum, rm, rv, torch.float32, w, w, 1, local)[2].shape == (6,)

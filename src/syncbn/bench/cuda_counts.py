@@ -24,7 +24,9 @@ not exist on the CPU; there the path calls stand-in operators with the same inpu
 outputs, recorded as one operation each, the way the CUDA kernel is one launch.
 
 Both layers are counted: ``syncbn.SyncBatchNorm`` (rows under ``"syncbn"``) and
-``syncbn.SyncBatchNormAct`` with leaky_relu (rows under ``"syncbn_act"``).
+``syncbn.SyncBatchNormAct`` with leaky_relu (rows under ``"syncbn_act"``) and with ELU
+(``"syncbn_act_elu"``: float32, its kept-channel choice from each rank's minimum and
+maximum, found in the moments' pass).
 
 The layer fingerprint's verdicts (:mod:`syncbn.torch.fingerprint`) are read once per step, when
 the backward pass ends, in a ``syncbn.check_agreement`` profiler range: its operations
@@ -210,7 +212,8 @@ def layer_counts(spec: dict, group=None) -> dict:
     from ..torch.batchnorm_act import SyncBatchNormAct
 
     layers = {"syncbn": lambda c: SyncBatchNorm(c, process_group=group),
-              "syncbn_act": lambda c: SyncBatchNormAct(c, "leaky_relu", 0.01, process_group=group)}
+              "syncbn_act": lambda c: SyncBatchNormAct(c, "leaky_relu", 0.01, process_group=group),
+              "syncbn_act_elu": lambda c: SyncBatchNormAct(c, "elu", 1.0, process_group=group)}
     rows = {key: [] for key in layers}
     for key, build in layers.items():
         for shape in spec["shapes"]:
@@ -223,7 +226,7 @@ def layer_counts(spec: dict, group=None) -> dict:
                 counts = count_call(build(shape[1]), x, dy)
                 rows[key].append({"shape": list(shape), "layout": layout, **counts})
     return {**rows, "torch_syncbn": TORCH_SYNCBN, "batchnorm2d": BATCHNORM2D,
-            "bars": _bars(rows["syncbn"] + rows["syncbn_act"])} if dist.get_rank(group) == 0 else None
+            "bars": _bars(rows["syncbn"] + rows["syncbn_act"] + rows["syncbn_act_elu"])} if dist.get_rank(group) == 0 else None
 
 
 def _bars(rows: list) -> dict:
@@ -259,7 +262,8 @@ def main(argv=None) -> int:
         rep = pool.run(_job, {"shapes": [args.shape], "layouts": ["contiguous", "channels_last"]})[0]
     cell = lambda c: f"{c['passes']} / {c['launches']} / {c['host_syncs']}"  # noqa: E731
     print("per layer call: forward, backward passes / launches / host syncs (collectives apart)")
-    for key, label in (("syncbn", "syncbn.SyncBatchNorm"), ("syncbn_act", "syncbn.SyncBatchNormAct")):
+    for key, label in (("syncbn", "syncbn.SyncBatchNorm"), ("syncbn_act", "syncbn.SyncBatchNormAct"),
+                       ("syncbn_act_elu", "syncbn.SyncBatchNormAct(elu)")):
         for row in rep[key]:
             print(f"  {label} {tuple(row['shape'])} {row['layout']} ({row['path']}): {cell(row['forward'])}, "
                   f"{cell(row['backward'])}; once per step: {cell(row['backward']['per_step'])}")

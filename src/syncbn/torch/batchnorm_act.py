@@ -38,13 +38,16 @@ recovered ``xhat`` is within about 1e-11 (float64), 1.5e-5 (float32), 4e-3 (floa
 or 8e-3 (bfloat16) of the true one. Choosing the channels reads a C-sized mask on the
 host once per training forward (the amount saved depends on it; ELU also takes each
 channel's local minimum and maximum, one more pass over the input); a layer that needs
-no gradient skips it. On CUDA with Triton (:mod:`syncbn.torch.kernels`; identity and
-leaky_relu) there is no host read: the channels are chosen on the device and their
+no gradient skips it. On CUDA with Triton (:mod:`syncbn.torch.kernels`; identity,
+leaky_relu, and elu on float32/float64 inputs, its local minimum and maximum found in the
+moments kernel's pass) there is no host read: the channels are chosen on the device and their
 inputs copied into a buffer of fixed size (``C // 16`` channels, at least 1: 0.53x of
 the bytes BatchNorm + activation keep for C >= 16); should more channels need their
 inputs in some call, that step's check (when its backward pass ends, before any
 optimizer step) raises :class:`KeptChannelsOverflow` rather than let an inexact
-gradient through.
+gradient through, on every rank alike: where the layer syncs, each rank's overflow rides
+in the backward all-reduce (one more value of its payload; ELU, whose choice is per rank,
+all-reduces even where its input needs no gradient) and the check reads the group's sum.
 On the CPU, where the moments come from the centered input (:func:`syncbn.torch.stats.use_centered`),
 that centered input is normalized in place (exact where |mean| >> std); otherwise one more
 read of C flags on the CPU (no synchronisation there) picks how to normalize: the native
@@ -411,14 +414,27 @@ class _SyncBatchNormAct(torch.autograd.Function):
 # Should more channels need their inputs than the buffer holds, the kernel flags it and
 # the step's check (syncbn.torch.fingerprint.check_agreement, when the backward pass ends,
 # before any optimizer step) raises: the gradient of such a step is never used silently.
-# ELU (whose choice depends on the data) takes the general path.
+# Where the layer syncs, the flag rides in the backward all-reduce (grad_payload writes the
+# rank's overflow after its sums, input_grad whether the group's sum is zero: no launch
+# more) and the check is on that sum, so every rank raises when any rank overflowed (its
+# inexact sums are in every rank's input gradient). ELU, whose choice is per rank, runs that
+# all-reduce even where the input needs no gradient (then three small torch ops read the
+# verdict and the flag: not the common case); identity/leaky_relu without an input gradient,
+# and any layer that does not sync, check the rank's own flag (the same on every rank).
+# ELU's choice also depends on the data (each rank's own minimum and maximum per channel,
+# found by the moments kernel in its pass and used by the merge kernel: local to the rank,
+# like the CPU path's). Only for float32/float64 inputs: with half's budgets (2**3, 2**2)
+# ELU channels keep their inputs wherever the normalized minimum is below about -1.4 to -2
+# (nearly every channel of ordinary data), far beyond the fixed buffer; float16/bfloat16
+# ELU takes the general path, which keeps as many channels as it needs.
 
-KERNEL_ACTIVATIONS = ("identity", "leaky_relu")
+KERNEL_ACTIVATIONS = ("identity", "leaky_relu", "elu")
+KERNEL_ELU_DTYPES = (torch.float32, torch.float64)
 
 
 def _takes_kernels(x: Tensor, activation: str) -> bool:
-    return (activation in KERNEL_ACTIVATIONS and stats.cuda_path(x) and not _compiling()
-            and stats.triton_path(x))
+    return (activation in KERNEL_ACTIVATIONS and (activation != "elu" or x.dtype in KERNEL_ELU_DTYPES)
+            and stats.cuda_path(x) and not _compiling() and stats.triton_path(x))
 
 
 def kept_capacity(channels: int) -> int:
@@ -445,27 +461,46 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
         agree = fingerprint.agreeing_values(tag, world, torch.float64, device)
     else:
         fixed = agree = stats.constant(stats._filled, (0.0, fingerprint.SIZE), torch.float64, device)
+    capacity = kept_capacity(channels) if any(ctx.needs_input_grad[:3]) and n else -1
+    elu = activation == "elu"
+    local = None  # ELU: this rank's minimum and maximum per channel, from the moments' pass
     if n:
-        payload = kernels.moment_payload(kernels.moment_partials(x), fixed, n)
+        partials = kernels.moment_partials(x, elu and capacity >= 0)
+        if elu and capacity >= 0:
+            payload, local = kernels.moment_payload(partials, fixed, n, True)
+        else:
+            payload = kernels.moment_payload(partials, fixed, n)
     else:  # an empty rank still takes part (and moves its buffers as the others do)
         payload = _empty_payload(channels, fixed)
     summed = distributed.all_reduce_sum(payload, group) if syncing else payload
     size = fingerprint.SIZE
-    slope = param if activation == "leaky_relu" else 1.0
+    slope = param if activation in ("leaky_relu", "elu") else 1.0  # ELU: alpha
     budget, floor, _ = _fit_bounds(x.dtype if x.dtype in AMPLIFICATION_BUDGET else torch.float32, activation, slope)
     scalars = stats.kernel_scalars(eps, device, slope, budget, floor)
-    capacity = kept_capacity(channels) if any(ctx.needs_input_grad[:3]) and n else -1
     stats_c, ok, slots, fits = kernels.merge(summed, agree, scalars, _momentum_tensor(momentum, device), running_mean,
-                                             running_var, cdtype, weight, bias, capacity)
+                                             running_var, cdtype, weight, bias, capacity, local)
     if syncing:
         fingerprint.pending_verdict(summed[:size], group, tag, world, ok=ok)
     _check_count(summed[size], n, x.shape, device_side=True)
-    if capacity >= 0:
-        fingerprint.defer(fits, KeptChannelsOverflow(
-            f"SyncBatchNormAct({channels}): more channels than the {capacity} it can keep have a weight too small "
-            f"next to their bias ((|b| + tiny) / |w| > {budget:g}, w = 0 included) for their input to be recovered "
-            "from the output; this step's gradients are not exact. Use SyncBatchNorm followed by the activation "
-            "for this layer (syncbn.revert_sync_batchnorm, or fuse_batchnorm_act leaving it out)."))
+    # Where the backward pass all-reduces (the layer syncs and the input needs a gradient;
+    # for ELU, whose choice is per rank, also without one), each rank's overflow rides in its
+    # payload and the check is on the group's sum: every rank raises alike. Elsewhere (no
+    # communication, or leaky_relu/identity without an input gradient: a choice that depends
+    # only on the weights, equal on every rank) the rank's own flag is checked.
+    grads = any(ctx.needs_input_grad[:3])
+    ctx.late = late = grads and syncing and (ctx.needs_input_grad[0] or elu)
+    ctx.fits = fits if capacity >= 0 and late else None
+    ctx.overflow = None
+    if grads:
+        kept_cap = kept_capacity(channels)
+        ctx.overflow = KeptChannelsOverflow(
+            f"SyncBatchNormAct({channels}): more channels than the {kept_cap} it can keep have a weight too small "
+            f"next to their bias ((|b| + tiny) / |w| > {budget:g}, w = 0 included)"
+            f"{' or saturate the ELU (exp(-z_min) / |w| > budget) on at least one rank' if elu else ''} for their "
+            "input to be recovered from the output; this step's gradients are not exact. Use SyncBatchNorm followed "
+            "by the activation for this layer (syncbn.revert_sync_batchnorm, or fuse_batchnorm_act leaving it out).")
+    if capacity >= 0 and not late:
+        fingerprint.defer(fits, ctx.overflow)
     if n:
         y, keep = kernels.normalize(x, weight, bias, stats_c, scalars, kernels.ACTIVATION_CODES[activation],
                                     slots if capacity > 0 else None, max(capacity, 0), out=x if inplace else None)
@@ -476,6 +511,7 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
     ctx.save_for_backward(y, keep, slots, weight, bias, stats_c, summed[size])
     ctx.group, ctx.syncing, ctx.tag, ctx.world = group, syncing, tag, world
     ctx.scalars = scalars
+    ctx.mode = 2 if elu else 1
     ctx.weight_dtype = None if weight is None else weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
     return y
@@ -497,25 +533,32 @@ def _triton_backward(ctx, dy):
     kept = slots if keep.numel() else None
     wdtype, bdtype = ctx.weight_dtype or cdtype, ctx.bias_dtype or cdtype
     if y.numel():
-        partials = kernels.grad_partials(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, mode=1)
-        payload, dw, db = kernels.grad_payload(partials, fixed, stats_c, 1, wdtype, bdtype)
-    else:  # an empty rank: zero sums, still in the all-reduce
+        partials = kernels.grad_partials(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, mode=ctx.mode)
+        payload, dw, db = kernels.grad_payload(partials, fixed, stats_c, ctx.mode, wdtype, bdtype, ctx.fits)
+    else:  # an empty rank: zero sums and no overflow, still in the all-reduce
         channels = y.shape[1]
-        payload = torch.cat([fixed, stats.constant(stats._filled, (0.0, 2 * channels), cdtype, device)])
+        payload = torch.cat([fixed, stats.constant(stats._filled, (0.0, 2 * channels + 1), cdtype, device)])
         dw = torch.zeros(channels, dtype=wdtype, device=device)
         db = torch.zeros(channels, dtype=bdtype, device=device)
     dx = None
+    flag = fingerprint.SIZE + 2 * y.shape[1]  # the summed overflow (grad_payload's last value)
     if need_x:
         summed = distributed.all_reduce_sum(payload, ctx.group) if ctx.syncing else payload
-        ok = None
+        ok = fit = None
         if y.numel():
-            dx, ok = kernels.input_grad(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, summed, count, agree,
-                                        1, y.dtype)
+            dx, ok, fit = kernels.input_grad(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, summed, count,
+                                             agree, ctx.mode, y.dtype)
         else:
             dx = torch.zeros_like(y)
         if ctx.syncing:
             fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True,
                                         ok=ok)
+        if ctx.late:  # every rank the same verdict on the group's overflow (an empty rank: one op)
+            fingerprint.defer(torch.eq(summed[flag], 0) if fit is None else fit, ctx.overflow)
+    elif ctx.late:  # ELU without an input gradient: the all-reduce anyway, for the group's overflow
+        summed = distributed.all_reduce_sum(payload, ctx.group)
+        fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True)
+        fingerprint.defer(torch.eq(summed[flag], 0), ctx.overflow)
     if ctx.syncing:
         fingerprint.end_step(ctx.group)
     else:  # the kept-channel check of the forward (fingerprint.defer) when this pass ends

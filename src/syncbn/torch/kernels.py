@@ -12,7 +12,8 @@ samples follow one another in memory (channels-last, 2-D) they fold into one pla
 forward
     1. :func:`moment_partials` (one pass over x): each program sums ``t = x - K`` and
        ``t^2`` over its share of the rows, ``K = x[0, c, 0]`` (this rank's first element
-       of the channel), in float64;
+       of the channel), in float64 (for ELU also each channel's minimum and maximum, in the
+       same pass);
     2. :func:`moment_payload`: adds the programs' partials and writes the all-reduce
        payload, ``[fingerprint, n, sum x, sum x^2]`` in float64 (the payload of every
        other path: ``sum x = n K + sum t``, ``sum x^2 = sum t^2 + K (2 sum t + n K)``);
@@ -21,16 +22,22 @@ forward
        verdict is good and ``N > 1``), all in float64; the normalizing statistics are
        written as ``[mean_hi, mean_lo, invstd]`` in the compute dtype, ``mean_hi + mean_lo``
        the float64 mean to twice the compute precision;
-    4. :func:`normalize`: ``y = act(((x - mean_hi) - mean_lo) * invstd * w + b)``.
+    4. :func:`normalize`: ``y = act(((x - mean_hi) - mean_lo) * invstd * w + b)``
+       (ELU's ``alpha expm1(z)`` in float64, Kahan's ``(e^z - 1) z / log e^z``; its inverse
+       in the backward kernels, ``log1p``, likewise: accurate to a few ulp without libdevice,
+       which Triton's interpreter lacks).
 
 backward
     1. :func:`grad_partials` (one pass over dy and x, or dy and the output y of the
        activated layer): ``sum dy`` and ``sum dy (x - mean)`` (``sum dz``, ``sum dz xhat``
        for the activated layer) per program, in float64;
     2. :func:`grad_payload`: the payload ``[fingerprint, sum dy, sum dy (x - mean)]`` in
-       the compute dtype, and the local weight and bias gradients;
+       the compute dtype (the activated layer: and this rank's kept-channel overflow, 0 or
+       1, so that the all-reduce counts the ranks that ran out of kept channels), and the
+       local weight and bias gradients;
     3. (the all-reduce) then :func:`input_grad`: ``dx`` in one pass, and the backward
-       verdict.
+       verdict (the activated layer: and whether the summed overflow is zero, the same on
+       every rank).
 
 **Error analysis of the local moments.** ``x`` (float32 or half: a float32 value; float64)
 is converted to float64 exactly; ``t = x - K`` in float64 is exact for float32 inputs (two
@@ -89,7 +96,7 @@ __all__ = [
 ]
 
 # activation codes of the kernels (the activated layer's names)
-ACTIVATION_CODES = {"none": 0, "identity": 0, "leaky_relu": 1}
+ACTIVATION_CODES = {"none": 0, "identity": 0, "leaky_relu": 1, "elu": 2}
 # the fingerprint's values are loaded as one block of this many lanes
 _FIXED_LANES = 32
 # the kernels index with 64-bit offsets, but keep the row count in 32-bit program ids
@@ -117,13 +124,14 @@ def _installed() -> bool:
 
 
 def _triton():
-    """Import Triton (once) and bind ``tl`` for the kernels."""
-    global triton, tl
+    """Import Triton (once) and bind ``tl`` and the kernels' helper functions."""
+    global triton, tl, _elu_inverse
     if triton is None:
         import triton as _t
         import triton.language as _tl
 
         triton, tl = _t, _tl
+        _elu_inverse = _t.jit(_elu_inverse_source)
     return triton
 
 
@@ -241,9 +249,22 @@ def _programs(device, channel_blocks: int, tiles: int) -> int:
 
 # ---- the kernels (plain functions, compiled by _kernel on first use) ----------------
 
+_elu_inverse = None  # bound by _triton(): _elu_inverse_source, compiled
+
+
+def _elu_inverse_source(y, alpha):
+    # log1p(y / alpha) for float64 y <= 0 (Kahan: log(w) v / (w - 1), w = 1 + v, exact to a
+    # few ulp given log); y = -alpha gives -inf and y < -alpha NaN, as torch's log1p
+    v = y / alpha
+    w = 1.0 + v
+    fine = (w != 1.0) & (w > 0.0)
+    safe = tl.where(fine, w, 0.5)
+    return tl.where(w == 1.0, v, tl.where(w > 0.0, tl.log(safe) * v / (safe - 1.0), tl.log(tl.where(w > 0.0, 1.0, w))))
+
+
 
 def _moment_partials_kernel(x_ptr, part_ptr, C, S, T, SB, s_n, s_c, s_s, tiles_per_prog,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EXTREMES: tl.constexpr):
     # T tiles of BLOCK_R plane positions of one sample; SB tiles a sample
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -252,6 +273,9 @@ def _moment_partials_kernel(x_ptr, part_ptr, C, S, T, SB, s_n, s_c, s_s, tiles_p
     shift = tl.load(x_ptr + coff, mask=cmask, other=0.0).to(tl.float64)  # x[0, c, 0]
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
+    if EXTREMES:  # the local minimum and maximum (ELU's kept-channel choice), from K, a value of x
+        low = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64) + shift[None, :]
+        high = low
     start = p * tiles_per_prog
     stop = tl.minimum(start + tiles_per_prog, T)
     for tile in range(start, stop):
@@ -263,14 +287,21 @@ def _moment_partials_kernel(x_ptr, part_ptr, C, S, T, SB, s_n, s_c, s_s, tiles_p
         t = tl.where(mask, v - shift[None, :], 0.0)
         acc1 += t
         acc2 += t * t
+        if EXTREMES:
+            low = tl.minimum(low, tl.where(mask, v, shift[None, :]))
+            high = tl.maximum(high, tl.where(mask, v, shift[None, :]))
     base = part_ptr + (1 + 2 * p) * C
     tl.store(base + cols, tl.sum(acc1, axis=0), mask=cmask)
     tl.store(base + C + cols, tl.sum(acc2, axis=0), mask=cmask)
+    if EXTREMES:  # rows 1 + 2P + 2p, 2 + 2P + 2p
+        ext = part_ptr + (1 + 2 * tl.num_programs(0) + 2 * p) * C
+        tl.store(ext + cols, tl.min(low, axis=0), mask=cmask)
+        tl.store(ext + C + cols, tl.max(high, axis=0), mask=cmask)
     tl.store(part_ptr + cols, shift, mask=cmask & ((cols * 0 + p) == 0))
 
 
-def _moment_payload_kernel(part_ptr, fixed_ptr, out_ptr, C, P, n,
-                           SIZE: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr):
+def _moment_payload_kernel(part_ptr, fixed_ptr, out_ptr, ext_ptr, C, P, n,
+                           SIZE: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr, EXTREMES: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
@@ -281,6 +312,15 @@ def _moment_payload_kernel(part_ptr, fixed_ptr, out_ptr, C, P, n,
         base = part_ptr + (1 + 2 * p) * C
         s1 += tl.load(base + cols, mask=cmask, other=0.0)
         s2 += tl.load(base + C + cols, mask=cmask, other=0.0)
+    if EXTREMES:  # this rank's minimum and maximum per channel: (2, C), not communicated
+        low = shift
+        high = shift
+        for p in range(0, P):
+            ext = part_ptr + (1 + 2 * P + 2 * p) * C
+            low = tl.minimum(low, tl.load(ext + cols, mask=cmask, other=0.0))
+            high = tl.maximum(high, tl.load(ext + C + cols, mask=cmask, other=0.0))
+        tl.store(ext_ptr + cols, low, mask=cmask)
+        tl.store(ext_ptr + C + cols, high, mask=cmask)
     count = tl.zeros([], dtype=tl.float64) + n
     tl.store(out_ptr + SIZE + 1 + cols, count * shift + s1, mask=cmask)
     tl.store(out_ptr + SIZE + 1 + C + cols, s2 + shift * (2.0 * s1 + count * shift), mask=cmask)
@@ -292,10 +332,10 @@ def _moment_payload_kernel(part_ptr, fixed_ptr, out_ptr, C, P, n,
 
 
 def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats_ptr, ok_ptr,
-                  w_ptr, b_ptr, slot_ptr, fits_ptr, C, capacity,
+                  w_ptr, b_ptr, slot_ptr, fits_ptr, ext_ptr, C, capacity,
                   SIZE: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
                   HAS_RM: tl.constexpr, HAS_RV: tl.constexpr, CHOOSE: tl.constexpr,
-                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr):
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr, ELU: tl.constexpr):
     # WIDE: float64 running buffers; others are stored from float32 (a float64 value
     # goes through float32 on its way to half: Triton's interpreter rounds float64 to
     # bfloat16 wrongly)
@@ -344,14 +384,24 @@ def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats
             # channels whose xhat the stored output cannot give back within the budget:
             # (|b| + floor) / |w| > budget, w = 0 included; each takes the next free slot
             if HAS_W:
-                w = tl.abs(tl.load(w_ptr + cols, mask=cmask, other=1.0).to(tl.float64))
+                ws = tl.load(w_ptr + cols, mask=cmask, other=1.0).to(tl.float64)
             else:
-                w = tl.full([BLOCK], 1.0, tl.float64)
+                ws = tl.full([BLOCK], 1.0, tl.float64)
             if HAS_B:
-                b = tl.abs(tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float64))
+                bs = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
             else:
-                b = tl.zeros([BLOCK], dtype=tl.float64)
-            hard = (~((b + floor) <= budget * w)) & cmask
+                bs = tl.zeros([BLOCK], dtype=tl.float64)
+            w = tl.abs(ws)
+            hard = (~((tl.abs(bs) + floor) <= budget * w)) & cmask
+            if ELU:
+                # also exp(-z_min) (1 + tiny / alpha) / |w| > budget: z_min = b + w (x_ext - mean)
+                # invstd is this rank's most negative pre-activation (x_ext its local minimum
+                # where w >= 0, else its maximum), where ELU's inverse amplifies rounding most
+                low = tl.load(ext_ptr + cols, mask=cmask, other=0.0)
+                high = tl.load(ext_ptr + C + cols, mask=cmask, other=0.0)
+                z_min = bs + ws * ((tl.where(ws >= 0, low, high) - mean) * invstd)
+                grow = tl.exp(-z_min) * (1.0 + floor / tl.load(scalar_ptr + 1))
+                hard = hard | ((~(grow <= budget * w)) & cmask)
             flags = tl.where(hard, 1, 0)
             order = taken + tl.cumsum(flags, axis=0) - 1
             slot = tl.where(hard & (order < capacity), order, -1)
@@ -388,6 +438,12 @@ def _normalize_kernel(x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, scalar_ptr, slot_pt
     if ACT == 1:
         slope = tl.load(scalar_ptr + 1).to(ct)
         z = tl.where(z >= 0, z, z * slope)
+    if ACT == 2:  # ELU: alpha expm1(z) for z <= 0, in float64 (Kahan's expm1: (u - 1) z / log u)
+        zn = tl.where(z > 0, 0.0, z.to(tl.float64))
+        u = tl.exp(zn)
+        d = u - 1.0
+        em1 = tl.where(d == 0.0, zn, tl.where(u == 0.0, -1.0, d * zn / tl.log(tl.where((d != 0.0) & (u != 0.0), u, 0.5))))
+        z = tl.where(z > 0, z, (tl.load(scalar_ptr + 1) * em1).to(ct))
     if KEEP:  # the chosen channels' inputs, for an exact backward
         slot = tl.load(slot_ptr + cols, mask=cmask, other=-1)
         kmask = mask & (slot >= 0)[None, :]
@@ -400,7 +456,8 @@ def _grad_partials_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, 
                           C, S, T, SB, d_n, d_c, d_s, s_n, s_c, s_s, k_n, k_c, k_s, tiles_per_prog,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, KEEP: tl.constexpr):
-    # MODE 0: sums of dy and dy (x - mean) from x; MODE 1 (the activated layer, src = y):
+    # MODE 0: sums of dy and dy (x - mean) from x; MODE 1 (the activated layer, src = y;
+    # leaky_relu of slope scalars[1], identity slope 1), MODE 2 (ELU, alpha scalars[1]):
     # sums of dz and dz xhat with z = act^-1(y), xhat = (z - b) / w, or from the kept x
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -408,7 +465,7 @@ def _grad_partials_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, 
     c64 = cols.to(tl.int64)
     hi = tl.load(stats_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
     lo = tl.load(stats_ptr + C + cols, mask=cmask, other=0.0).to(tl.float64)
-    if MODE == 1:
+    if MODE >= 1:
         invstd = tl.load(stats_ptr + 2 * C + cols, mask=cmask, other=0.0).to(tl.float64)
         slope = tl.load(scalar_ptr + 1)
         if HAS_W:
@@ -444,7 +501,11 @@ def _grad_partials_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, 
             out_mask = mask & (~kept)[None, :]
             y = tl.load(src_ptr + (n * s_n + s * s_s)[:, None] + (c64 * s_c)[None, :], mask=out_mask,
                         other=0.0).to(tl.float64)
-            z = tl.where(y >= 0, y, y / slope)
+            if MODE == 2:  # ELU, alpha = slope: z = log1p(y / alpha) for y < 0, dz = dy (y + alpha)
+                z = tl.where(y >= 0, y, _elu_inverse(y, slope))
+                dz = tl.where(y <= 0, dy * (y + slope), dy)
+            else:
+                z = tl.where(y >= 0, y, y / slope)
             xhat = (z - b[None, :]) * recip[None, :]
             if KEEP:
                 koff = (n * k_n + s * k_s)[:, None] + (tl.maximum(slot, 0).to(tl.int64) * k_c)[None, :]
@@ -452,7 +513,12 @@ def _grad_partials_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, 
                 xk = ((v - hi[None, :]) - lo[None, :]) * invstd[None, :]
                 xhat = tl.where(kept[None, :], xk, xhat)
                 z = tl.where(kept[None, :], w[None, :] * xk + b[None, :], z)
-            dz = tl.where(z > 0, dy, dy * slope)
+            if MODE == 2:  # the kept channels: the slope at z itself, alpha exp(z)
+                if KEEP:
+                    dz = tl.where(kept[None, :], tl.where(z > 0, dy, dy * (slope * tl.exp(tl.where(z > 0, 0.0, z)))),
+                                  dz)
+            else:
+                dz = tl.where(z > 0, dy, dy * slope)
             dz = tl.where(mask, dz, 0.0)
             acc1 += dz
             acc2 += dz * xhat
@@ -461,10 +527,12 @@ def _grad_partials_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, 
     tl.store(base + C + cols, tl.sum(acc2, axis=0), mask=cmask)
 
 
-def _grad_payload_kernel(part_ptr, fixed_ptr, stats_ptr, out_ptr, dw_ptr, db_ptr, C, P,
+def _grad_payload_kernel(part_ptr, fixed_ptr, stats_ptr, fits_ptr, out_ptr, dw_ptr, db_ptr, C, P,
                          SIZE: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
-                         WIDE_W: tl.constexpr, WIDE_B: tl.constexpr):
-    # WIDE_W, WIDE_B: float64 parameter gradients; others through float32 (see _merge_kernel)
+                         WIDE_W: tl.constexpr, WIDE_B: tl.constexpr, HAS_FITS: tl.constexpr):
+    # WIDE_W, WIDE_B: float64 parameter gradients; others through float32 (see _merge_kernel).
+    # MODE >= 1 (the activated layer): one more value, out[SIZE + 2C], this rank's kept-channel
+    # overflow (1 where fits_ptr, the merge kernel's flag, is false; 0 without HAS_FITS)
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
@@ -491,10 +559,16 @@ def _grad_payload_kernel(part_ptr, fixed_ptr, stats_ptr, out_ptr, dw_ptr, db_ptr
     lanes = tl.arange(0, LANES)
     head = (lanes < SIZE) & ((lanes * 0 + pid) == 0)
     tl.store(out_ptr + lanes, tl.load(fixed_ptr + lanes, mask=head, other=0.0), mask=head)
+    if MODE >= 1:
+        if HAS_FITS:
+            over = tl.where(tl.load(fits_ptr), 0.0, 1.0)
+        else:
+            over = (pid * 0).to(tl.float32)
+        tl.store(out_ptr + SIZE + 2 * C, over.to(ty), mask=pid == 0)
 
 
 def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slot_ptr, keep_ptr, sum_ptr,
-                       count_ptr, agree_ptr, ok_ptr, dx_ptr,
+                       count_ptr, agree_ptr, ok_ptr, fit_ptr, dx_ptr,
                        C, S, SB, d_n, d_c, d_s, s_n, s_c, s_s, k_n, k_c, k_s, o_n, o_c, o_s,
                        SIZE: tl.constexpr, LANES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, KEEP: tl.constexpr):
@@ -511,6 +585,10 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
     got = tl.load(sum_ptr + lanes, mask=head, other=0.0)
     want = tl.load(agree_ptr + lanes, mask=head, other=0.0)
     tl.store(ok_ptr, tl.sum(tl.where(head & (got != want), 1, 0), axis=0) == 0, mask=first)
+    if MODE >= 1:  # the group's summed kept-channel overflow (grad_payload's last value): none
+        tl.store(fit_ptr, tl.load(sum_ptr + SIZE + 2 * C) == 0, mask=first)
+    else:
+        tl.store(fit_ptr, first, mask=first)  # true
     count = tl.load(count_ptr).to(ct)
     hi = tl.load(stats_ptr + cols, mask=cmask, other=0.0)
     lo = tl.load(stats_ptr + C + cols, mask=cmask, other=0.0)
@@ -541,7 +619,11 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
         kept = slot >= 0
         y = tl.load(src_ptr + (n * s_n + s * s_s)[:, None] + (c64 * s_c)[None, :],
                     mask=mask & (~kept)[None, :], other=0.0).to(ct)
-        z = tl.where(y >= 0, y, y / slope)
+        if MODE == 2:  # ELU (slope: alpha), inverted in float64
+            z = tl.where(y >= 0, y, _elu_inverse(y.to(tl.float64), tl.load(scalar_ptr + 1)).to(ct))
+            dz = tl.where(y <= 0, dy * (y + slope), dy)
+        else:
+            z = tl.where(y >= 0, y, y / slope)
         zb = z - b[None, :]
         if KEEP:
             koff = (n * k_n + s * k_s)[:, None] + (tl.maximum(slot, 0).to(tl.int64) * k_c)[None, :]
@@ -550,7 +632,12 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
             zk = w[None, :] * xk
             zb = tl.where(kept[None, :], zk, zb)
             z = tl.where(kept[None, :], zk + b[None, :], z)
-        dz = tl.where(z > 0, dy, dy * slope)
+        if MODE == 2:
+            if KEEP:
+                grow = (tl.load(scalar_ptr + 1) * tl.exp(tl.where(z > 0, 0.0, z).to(tl.float64))).to(ct)
+                dz = tl.where(kept[None, :], tl.where(z > 0, dy, dy * grow), dz)
+        else:
+            dz = tl.where(z > 0, dy, dy * slope)
         dx = a[None, :] * (dz - g1[None, :]) - (invstd * g2)[None, :] * zb
     tl.store(dx_ptr + (n * o_n + s * o_s)[:, None] + (c64 * o_c)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -582,29 +669,34 @@ def _split(device, channels: int, samples: int, spatial: int, strides) -> tuple:
     return block_r, block_c, per_sample, tiles, -(-tiles // per_prog), per_prog, cblocks
 
 
-def _moment_partials(x: torch.Tensor) -> torch.Tensor:
+def _moment_partials(x: torch.Tensor, extremes: bool = False) -> torch.Tensor:
     channels = x.shape[1]
     samples, spatial, strides = _rows(x)
     block_r, block_c, per_sample, tiles, programs, per_prog, cblocks = _split(x.device, channels, samples, spatial,
                                                                               strides)
-    partials = torch.empty(1 + 2 * programs, channels, dtype=torch.float64, device=x.device)
+    partials = torch.empty((1 + 4 * programs) if extremes else (1 + 2 * programs), channels, dtype=torch.float64,
+                           device=x.device)
     _kernel("_moment_partials_kernel")[(programs, cblocks)](
-        x, partials, channels, spatial, tiles, per_sample, *strides, per_prog, BLOCK_R=block_r, BLOCK_C=block_c)
+        x, partials, channels, spatial, tiles, per_sample, *strides, per_prog, BLOCK_R=block_r, BLOCK_C=block_c,
+        EXTREMES=extremes)
     return partials
 
 
-def _moment_payload(partials: torch.Tensor, fixed: torch.Tensor, n: int) -> torch.Tensor:
+def _moment_payload(partials: torch.Tensor, fixed: torch.Tensor, n: int, extremes: bool = False):
     channels = partials.shape[1]
-    programs = (partials.shape[0] - 1) // 2
+    programs = (partials.shape[0] - 1) // (4 if extremes else 2)
     size = fixed.shape[0]
     out = torch.empty(size + 1 + 2 * channels, dtype=torch.float64, device=partials.device)
+    ext = torch.empty(2 if extremes else 0, channels, dtype=torch.float64, device=partials.device)
     block = min(_pow2(channels), 1024)
     _kernel("_moment_payload_kernel")[(-(-channels // block),)](
-        partials, fixed, out, channels, programs, n, SIZE=size, LANES=_FIXED_LANES, BLOCK=block)
-    return out
+        partials, fixed, out, ext if extremes else _dummy(partials.device), channels, programs, n, SIZE=size,
+        LANES=_FIXED_LANES, BLOCK=block, EXTREMES=extremes)
+    return out, ext
 
 
-def _merge(summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight, bias, capacity):
+def _merge(summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight, bias, capacity,
+           extremes=None):
     size = agree.shape[0]
     channels = (summed.shape[0] - size - 1) // 2
     device = summed.device
@@ -618,10 +710,10 @@ def _merge(summed, agree, scalars, momentum, running_mean, running_var, cdtype, 
         summed, agree, scalars, momentum,
         dummy if running_mean is None else running_mean, dummy if running_var is None else running_var,
         stats, ok, dummy if weight is None else weight, dummy if bias is None else bias,
-        slots if choose else dummy, fits, channels, max(capacity, 0),
+        slots if choose else dummy, fits, dummy if extremes is None else extremes, channels, max(capacity, 0),
         SIZE=size, LANES=_FIXED_LANES, BLOCK=min(_pow2(channels), 1024),
         HAS_RM=running_mean is not None, HAS_RV=running_var is not None, CHOOSE=choose,
-        HAS_W=weight is not None, HAS_B=bias is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, ELU=choose and extremes is not None,
         WIDE=any(b is not None and b.dtype == torch.float64 for b in (running_mean, running_var)))
     return stats, ok, slots, fits
 
@@ -678,24 +770,25 @@ def _grad_partials(dy, src, stats, scalars, weight, bias, slots, keep, mode):
     return partials
 
 
-def _grad_payload(partials, fixed, stats, mode, weight_dtype, bias_dtype):
+def _grad_payload(partials, fixed, stats, mode, weight_dtype, bias_dtype, fits=None):
     channels = partials.shape[1]
     programs = partials.shape[0] // 2
     size = fixed.shape[0]
-    out = torch.empty(size + 2 * channels, dtype=stats.dtype, device=partials.device)
+    out = torch.empty(size + 2 * channels + (mode >= 1), dtype=stats.dtype, device=partials.device)
     dw = torch.empty(channels, dtype=weight_dtype, device=partials.device)
     db = torch.empty(channels, dtype=bias_dtype, device=partials.device)
     block = min(_pow2(channels), 1024)
     _kernel("_grad_payload_kernel")[(-(-channels // block),)](
-        partials, fixed, stats, out, dw, db, channels, programs,
+        partials, fixed, stats, _dummy(partials.device) if fits is None else fits, out, dw, db, channels, programs,
         SIZE=size, LANES=_FIXED_LANES, BLOCK=block, MODE=mode, WIDE_W=weight_dtype == torch.float64,
-        WIDE_B=bias_dtype == torch.float64)
+        WIDE_B=bias_dtype == torch.float64, HAS_FITS=fits is not None)
     return out, dw, db
 
 
 def _input_grad(dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree, mode, dtype):
     channels = src.shape[1]
     ok = torch.empty((), dtype=torch.bool, device=src.device)
+    fit = torch.empty((), dtype=torch.bool, device=src.device)
     dx = torch.empty_like(src, dtype=dtype)
     keep_on = slots is not None and keep is not None and keep.numel() > 0
     samples, spatial, dy_strides, strides, dx_strides, *keep_strides = _rows(
@@ -706,12 +799,12 @@ def _input_grad(dy, src, stats, scalars, weight, bias, slots, keep, summed, coun
     grid = (max(1, samples * per_sample), -(-channels // block_c))
     _kernel("_input_grad_kernel")[grid](
         dy, src, stats, scalars, dummy if weight is None else weight, dummy if bias is None else bias,
-        slots if keep_on else dummy, keep if keep_on else dummy, summed, count, agree, ok, dx,
+        slots if keep_on else dummy, keep if keep_on else dummy, summed, count, agree, ok, fit, dx,
         channels, spatial, per_sample, *dy_strides, *strides,
         *(keep_strides[0] if keep_on else (0, 0, 0)), *dx_strides,
         SIZE=agree.shape[0], LANES=_FIXED_LANES, BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode,
         HAS_W=weight is not None, HAS_B=bias is not None, KEEP=keep_on)
-    return dx, ok
+    return dx, ok, fit
 
 
 def _format_of(x: torch.Tensor):
@@ -725,10 +818,12 @@ def _format_of(x: torch.Tensor):
 # ---- the custom operators -----------------------------------------------------------
 
 _SCHEMAS = {
-    "triton_moment_partials": ("(Tensor x) -> Tensor", (), _moment_partials),
-    "triton_moment_payload": ("(Tensor partials, Tensor fixed, int n) -> Tensor", (), _moment_payload),
+    "triton_moment_partials": ("(Tensor x, bool extremes=False) -> Tensor", (), _moment_partials),
+    "triton_moment_payload": ("(Tensor partials, Tensor fixed, int n, bool extremes=False) -> (Tensor, Tensor)", (),
+                              _moment_payload),
     "triton_merge": ("(Tensor summed, Tensor agree, Tensor scalars, Tensor momentum, Tensor(a!)? running_mean, "
-                     "Tensor(b!)? running_var, ScalarType cdtype, Tensor? weight, Tensor? bias, int capacity) "
+                     "Tensor(b!)? running_var, ScalarType cdtype, Tensor? weight, Tensor? bias, int capacity, "
+                     "Tensor? extremes=None) "
                      "-> (Tensor, Tensor, Tensor, Tensor)", ("running_mean", "running_var"), _merge),
     "triton_normalize": ("(Tensor x, Tensor? weight, Tensor? bias, Tensor stats, Tensor scalars, int act, "
                          "Tensor? slots, int capacity) -> (Tensor, Tensor)", (), _normalize),
@@ -737,10 +832,10 @@ _SCHEMAS = {
     "triton_grad_partials": ("(Tensor dy, Tensor src, Tensor stats, Tensor scalars, Tensor? weight, Tensor? bias, "
                              "Tensor? slots, Tensor? keep, int mode) -> Tensor", (), _grad_partials),
     "triton_grad_payload": ("(Tensor partials, Tensor fixed, Tensor stats, int mode, ScalarType weight_dtype, "
-                            "ScalarType bias_dtype) -> (Tensor, Tensor, Tensor)", (), _grad_payload),
+                            "ScalarType bias_dtype, Tensor? fits=None) -> (Tensor, Tensor, Tensor)", (), _grad_payload),
     "triton_input_grad": ("(Tensor dy, Tensor src, Tensor stats, Tensor scalars, Tensor? weight, Tensor? bias, "
                           "Tensor? slots, Tensor? keep, Tensor summed, Tensor count, Tensor agree, int mode, "
-                          "ScalarType dtype) -> (Tensor, Tensor)", (), _input_grad),
+                          "ScalarType dtype) -> (Tensor, Tensor, Tensor)", (), _input_grad),
 }
 
 
@@ -761,17 +856,19 @@ def _register_fakes(ops: dict) -> None:
     """Shapes for ``torch.compile`` (fake tensors)."""
 
     @ops["triton_moment_partials"].register_fake
-    def _(x):
+    def _(x, extremes=False):
         samples, spatial, strides = _rows(x)  # pragma: no cover
         programs = _split(x.device, x.shape[1], samples, spatial, strides)[4]
-        return x.new_empty(1 + 2 * programs, x.shape[1], dtype=torch.float64)
+        return x.new_empty((4 if extremes else 2) * programs + 1, x.shape[1], dtype=torch.float64)
 
     @ops["triton_moment_payload"].register_fake
-    def _(partials, fixed, n):
-        return partials.new_empty(fixed.shape[0] + 1 + 2 * partials.shape[1])  # pragma: no cover
+    def _(partials, fixed, n, extremes=False):
+        return (partials.new_empty(fixed.shape[0] + 1 + 2 * partials.shape[1]),  # pragma: no cover
+                partials.new_empty(2 if extremes else 0, partials.shape[1]))
 
     @ops["triton_merge"].register_fake
-    def _(summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight, bias, capacity):
+    def _(summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight, bias, capacity,
+          extremes=None):
         channels = (summed.shape[0] - agree.shape[0] - 1) // 2  # pragma: no cover
         return (summed.new_empty(3, channels, dtype=cdtype), summed.new_empty((), dtype=torch.bool),
                 summed.new_empty(channels if capacity >= 0 else 0, dtype=torch.int32),
@@ -793,14 +890,16 @@ def _register_fakes(ops: dict) -> None:
         return src.new_empty(2 * programs, src.shape[1], dtype=torch.float64)
 
     @ops["triton_grad_payload"].register_fake
-    def _(partials, fixed, stats, mode, weight_dtype, bias_dtype):
+    def _(partials, fixed, stats, mode, weight_dtype, bias_dtype, fits=None):
         channels = partials.shape[1]  # pragma: no cover
-        return (stats.new_empty(fixed.shape[0] + 2 * channels), stats.new_empty(channels, dtype=weight_dtype),
+        return (stats.new_empty(fixed.shape[0] + 2 * channels + (mode >= 1)),
+                stats.new_empty(channels, dtype=weight_dtype),
                 stats.new_empty(channels, dtype=bias_dtype))
 
     @ops["triton_input_grad"].register_fake
     def _(dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree, mode, dtype):
-        return torch.empty_like(src, dtype=dtype), src.new_empty((), dtype=torch.bool)  # pragma: no cover
+        return (torch.empty_like(src, dtype=dtype), src.new_empty((), dtype=torch.bool),  # pragma: no cover
+                src.new_empty((), dtype=torch.bool))
 
 
 def _kept_like(x, slots, capacity):
@@ -812,28 +911,37 @@ def _kept_like(x, slots, capacity):
 # ---- the public launchers -----------------------------------------------------------
 
 
-def moment_partials(x: torch.Tensor) -> torch.Tensor:
+def moment_partials(x: torch.Tensor, extremes: bool = False) -> torch.Tensor:
     """Per-program float64 partial sums of ``t = x - K`` and ``t^2`` (row 0: ``K``), for
-    a non-empty ``x`` (kernel 1 forward)."""
-    return _ops()["triton_moment_partials"](x)
+    a non-empty ``x`` (kernel 1 forward); with ``extremes``, also each program's minimum
+    and maximum of ``x`` per channel (rows ``1 + 2P + 2p``, ``2 + 2P + 2p``), in the same pass."""
+    return _ops()["triton_moment_partials"](x, extremes)
 
 
-def moment_payload(partials: torch.Tensor, fixed: torch.Tensor, n: int) -> torch.Tensor:
-    """The forward payload ``[fixed, n, sum x, sum x^2]`` in float64 (kernel 2)."""
-    return _ops()["triton_moment_payload"](partials, fixed, n)
+def moment_payload(partials: torch.Tensor, fixed: torch.Tensor, n: int, extremes: bool = False):
+    """The forward payload ``[fixed, n, sum x, sum x^2]`` in float64 (kernel 2); with
+    ``extremes`` (partials made with ``extremes``) ``(payload, local)``, ``local`` the
+    (2, C) float64 minimum and maximum of this rank's ``x`` per channel (not communicated:
+    for :func:`merge`'s ELU channel choice)."""
+    payload, local = _ops()["triton_moment_payload"](partials, fixed, n, extremes)
+    return (payload, local) if extremes else payload
 
 
 def merge(summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight=None, bias=None,
-          capacity: int = -1):
+          capacity: int = -1, extremes=None):
     """After the all-reduce (kernel 3): ``(stats, ok, slots, fits)``. ``stats`` is (3, C)
     ``[mean_hi, mean_lo, invstd]`` in ``cdtype``; ``ok`` the fingerprint's verdict (0-d
     bool); the running buffers move in place where ``ok`` and ``N > 1``. ``scalars`` is
     the float64 ``[eps, activation parameter, budget, floor]``, ``momentum`` a 0-d tensor.
     With ``capacity >= 0`` (the activated layer) also ``slots`` (int32, C): the slot in
     the kept inputs of each channel whose ``(|b| + floor) / |w|`` exceeds the budget, in
-    channel order (-1: none), and ``fits``: whether all such channels got a slot."""
+    channel order (-1: none), and ``fits``: whether all such channels got a slot. With
+    ``extremes`` (ELU: this rank's (2, C) minimum and maximum from :func:`moment_payload`,
+    ``scalars[1]`` alpha) also each channel where ``exp(-z_min) (1 + floor / alpha) / |w|``
+    exceeds the budget, ``z_min = b + w (x_ext - mean) invstd`` this rank's most negative
+    pre-activation: a choice local to the rank, the statistics and buffers the group's."""
     return _ops()["triton_merge"](summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight,
-                                  bias, capacity)
+                                  bias, capacity, extremes)
 
 
 def normalize(x, weight, bias, stats, scalars, act: int = 0, slots=None, capacity: int = 0, out=None):
@@ -850,19 +958,28 @@ def normalize(x, weight, bias, stats, scalars, act: int = 0, slots=None, capacit
 def grad_partials(dy, src, stats, scalars, weight=None, bias=None, slots=None, keep=None, mode: int = 0):
     """Per-program float64 sums of the backward pass (kernel 1 backward): mode 0 ``(sum
     dy, sum dy (x - mean))`` from ``src = x``; mode 1 (leaky_relu/identity activated
-    layer, ``src = y``) ``(sum dz, sum dz xhat)``."""
+    layer, ``src = y``) and mode 2 (ELU, ``scalars[1]`` alpha) ``(sum dz, sum dz xhat)``."""
     return _ops()["triton_grad_partials"](dy, src, stats, scalars, weight, bias, slots, keep, mode)
 
 
-def grad_payload(partials, fixed, stats, mode: int, weight_dtype, bias_dtype):
+def grad_payload(partials, fixed, stats, mode: int, weight_dtype, bias_dtype, fits=None):
     """``(payload, dw, db)`` (kernel 2 backward): the payload ``[fixed, S1, S2]`` in the
-    statistics' dtype and the local weight and bias gradients."""
-    return _ops()["triton_grad_payload"](partials, fixed, stats, mode, weight_dtype, bias_dtype)
+    statistics' dtype and the local weight and bias gradients. For the activated layer
+    (``mode >= 1``) the payload has one more value, ``[fixed, S1, S2, overflow]``:
+    ``overflow`` is 1 where ``fits`` (:func:`merge`'s 0-d flag of this rank's forward) is
+    false, else 0 (also without ``fits``: a rank that kept nothing), so that the all-reduce
+    sums how many ranks ran out of kept channels (the same size on every rank)."""
+    return _ops()["triton_grad_payload"](partials, fixed, stats, mode, weight_dtype, bias_dtype, fits)
 
 
 def input_grad(dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree, mode: int,
                dtype: Optional[torch.dtype] = None):
     """``(dx, ok)`` (kernel 3 backward): the input gradient from the group's sums
-    ``summed`` (``[fingerprint sums, S1, S2]``) and the fingerprint's verdict."""
-    return _ops()["triton_input_grad"](dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree,
-                                       mode, dtype or src.dtype)
+    ``summed`` (``[fingerprint sums, S1, S2]``) and the fingerprint's verdict. For the
+    activated layer (``mode >= 1``, ``summed`` ``[fingerprint sums, S1, S2, overflow]``
+    from :func:`grad_payload`) ``(dx, ok, fit)``: ``fit`` (0-d bool) whether the summed
+    overflow is zero, i.e. no rank of the group ran out of kept channels (the same value
+    on every rank), written by the same launch."""
+    dx, ok, fit = _ops()["triton_input_grad"](dy, src, stats, scalars, weight, bias, slots, keep, summed, count,
+                                              agree, mode, dtype or src.dtype)
+    return (dx, ok, fit) if mode >= 1 else (dx, ok)
