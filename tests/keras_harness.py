@@ -41,6 +41,29 @@ def block_torch():
     sys.meta_path.insert(0, _TorchBlocker())
 
 
+def registry():
+    """``(CHECKS, check)``: an empty dict of named checks, and the decorator that adds a
+    function to it under its own name (each worker script's list of checks)."""
+    checks = {}
+
+    def check(fn):
+        checks[fn.__name__] = fn
+        return fn
+
+    return checks, check
+
+
+def tensorflow_on_devices(count):
+    """A worker's setup for TensorFlow-backend checks: torch blocked, Keras on TensorFlow,
+    and the CPU split into ``count`` logical devices (before TensorFlow initializes)."""
+    block_torch()
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+
+
 def run_checks(checks, names, out_path):
     """Run the named checks in order; write ``{name: {ok, info | error}}`` as JSON.
 

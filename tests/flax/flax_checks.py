@@ -18,24 +18,19 @@ import sys
 
 import numpy as np
 
-from keras_harness import block_torch, run_checks
+from keras_harness import block_torch, registry, run_checks
 from flax_oracle import assert_close, reference_vjp
 
 DEVICES = 4
 AXIS = "d"
 EPS = 1e-5
 MOMENTUM = 0.9
-CHECKS = {}
+CHECKS, check = registry()
 # Scaled-error bounds, from the arithmetic: float32 statistics and normalization carry a
 # few hundred float32 roundings at most (2**-24 each, ~6e-8) on values of order 1-10,
 # so 2e-5 leaves a margin of >10x; bfloat16 results (dx in the input's dtype) are
 # rounded to 8 bits (2**-9 ~ 2e-3 relative), so 1e-2.
 TOL = {"float32": 2e-5, "bfloat16": 1e-2}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 def setup():

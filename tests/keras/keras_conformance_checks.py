@@ -19,15 +19,10 @@ import os
 
 import numpy as np
 
-from keras_harness import block_torch, worker_main
+from keras_harness import block_torch, registry, worker_main
 import keras_oracle as oracle
 
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = registry()
 
 
 def setup():

@@ -17,17 +17,12 @@ import re
 
 import numpy as np
 
-from keras_harness import block_torch, worker_main
+from keras_harness import block_torch, registry, worker_main
 import keras_oracle as oracle
 import nan_safe
 
 DEVICES = 4
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = registry()
 
 
 def setup():

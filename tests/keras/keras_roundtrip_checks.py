@@ -15,15 +15,10 @@ import json
 
 import numpy as np
 
-from keras_harness import worker_main
+from keras_harness import registry, worker_main
 import nan_safe
 
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = registry()
 
 
 def randomize(layer, rng):

@@ -11,26 +11,16 @@ import tempfile
 
 import numpy as np
 
-from keras_harness import block_torch, worker_main
+from keras_harness import registry, tensorflow_on_devices, worker_main
 import keras_oracle as oracle
 import nan_safe
 
 DEVICES = 4
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = registry()
 
 
 def setup():
-    block_torch()
-    os.environ["KERAS_BACKEND"] = "tensorflow"
-    import tensorflow as tf
-
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * DEVICES)
+    tensorflow_on_devices(DEVICES)
 
 
 # --------------------------------------------------------------------------- helpers
