@@ -5,6 +5,9 @@ The names here are also the top-level API (``syncbn.SyncBatchNorm`` is
 imports only those above it):
 
 - :mod:`~syncbn.torch.distributed`: the one module that talks to ``torch.distributed``;
+- :mod:`~syncbn.torch.layout`: which memory format an activation is laid out in;
+- :mod:`~syncbn.torch.kernels`: the Triton kernels of the CUDA path (Triton imported on
+  first use);
 - :mod:`~syncbn.torch.stats`: local moments, the merge, normalize and backward formulas;
 - :mod:`~syncbn.torch.recompute`: recognising an activation-checkpoint recomputation;
 - :mod:`~syncbn.torch.fingerprint`: which layer call each rank is in, checked inside the

@@ -79,6 +79,8 @@ from typing import Optional
 
 import torch
 
+from .layout import memory_format
+
 __all__ = [
     "available",
     "interpreting",
@@ -733,7 +735,7 @@ def _normalize_into(x, weight, bias, stats, scalars, act, slots, capacity, out):
     keep_on = slots is not None and capacity > 0
     if keep_on:
         keep = torch.empty((x.shape[0], capacity) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device,
-                           memory_format=_format_of(x))
+                           memory_format=memory_format(x))
     else:
         keep = x.new_empty(0)
     if rows == 0:
@@ -805,14 +807,6 @@ def _input_grad(dy, src, stats, scalars, weight, bias, slots, keep, summed, coun
         SIZE=agree.shape[0], LANES=_FIXED_LANES, BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode,
         HAS_W=weight is not None, HAS_B=bias is not None, KEEP=keep_on)
     return dx, ok, fit
-
-
-def _format_of(x: torch.Tensor):
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 # ---- the custom operators -----------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.moments import reduction_axes
+from .layout import memory_format
 
 __all__ = [
     "reduce_dims",
@@ -114,15 +115,6 @@ def use_centered(x: torch.Tensor) -> bool:
     if x.is_contiguous():
         return x.numel() // max(1, x.shape[0] * x.shape[1]) >= 16
     return x.dim() in (4, 5) and memory_format(x) is not torch.contiguous_format
-
-
-def memory_format(x: torch.Tensor):
-    """The memory format ``x`` is laid out in (channels-last only when not also standard)."""
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 # Elements converted to float64 at a time by :func:`_float64_sums` (1 MiB of float64:
