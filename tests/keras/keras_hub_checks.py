@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from keras_harness import block_torch, worker_main
+from keras_harness import registry, tensorflow_on_devices, worker_main
 import nan_safe
 
 DEVICES = 2
@@ -26,21 +26,11 @@ DEVICES = 2
 # input, and every gradient through it is rounding noise (1e-7 of the gradients in
 # float64, on either side), which no comparison can hold to more than that noise.
 PER_REPLICA = 2
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = registry()
 
 
 def setup():
-    block_torch()
-    os.environ["KERAS_BACKEND"] = "tensorflow"
-    import tensorflow as tf
-
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * DEVICES)
+    tensorflow_on_devices(DEVICES)
 
 
 # A fresh process builds the same model with this code (and the worker with exec of it).
@@ -232,18 +222,23 @@ def trains_as_one_device_under_mirrored_strategy():
     net, grads = run(sync=True)
     got_y = np.asarray(net(np.concatenate(xs), training=False))
     scale = {key: max(float(np.max(np.abs(v))), 1e-300) for key, v in want_grads.items()}
-    # float64 throughout but for the head's bilinear upsampling, which TensorFlow computes
-    # in float32 (tf.image.resize, forward and gradient): the gradients carry its rounding
-    # (6e-8 relative, measured 2e-7 to 4e-7 at most, and so on either side of any two
-    # summation orders); outputs and moving statistics come out of it and are compared at
-    # float64's 1e-10
+    # float64 throughout but for the bilinear upsamplings, which TensorFlow computes in
+    # float32 (tf.image.resize, forward and gradient). Two summation orders of float64 values
+    # a few ulp apart round to the same float32 value except near a rounding boundary, where
+    # they differ by one float32 ulp (6e-8 relative): the outputs (the last upsampling's) by
+    # up to that, the gradients by a few of those amplified through the layers below
+    # (measured 2e-7 to 4e-7), so both are bounded by 1e-5. The moving statistics of the
+    # decoder's batch norms, after the first upsampling, see such a flip averaged over the
+    # batch (a one-ulp change of one of >= 1024 values per channel): 1e-7 leaves room for
+    # channels whose mean is small next to the largest one. Measured here: outputs 0.0,
+    # statistics 4e-16.
     err_y = nan_safe.max_abs_diff(got_y, want_y) / float(np.max(np.abs(want_y)))
     err_g = nan_safe.worst(nan_safe.max_abs_diff(grads[k], want_grads[k]) / scale[k] for k in want_grads)
     got_state = state(net)
     err_s = nan_safe.worst(nan_safe.max_abs_diff(got_state[k], want_state[k]) / max(float(np.max(np.abs(v))), 1e-300)
                            for k, v in want_state.items())
     assert set(grads) == set(want_grads) and set(got_state) == set(want_state)
-    assert err_y <= 1e-10 and err_g <= 1e-5 and err_s <= 1e-10, (err_y, err_g, err_s)
+    assert err_y <= 1e-5 and err_g <= 1e-5 and err_s <= 1e-7, (err_y, err_g, err_s)
 
     plain, plain_grads = run(sync=False)
     err_plain = nan_safe.worst(nan_safe.max_abs_diff(plain_grads[k], want_grads[k]) / scale[k] for k in want_grads)
