@@ -175,15 +175,23 @@ def test_size_that_does_not_divide_the_world_raises_our_error_before_any_collect
 
 def remade_world_job(port):
     """sync_groups before and after the default group is destroyed and created again:
-    the second call must make groups of the new world, not hand back the old ones."""
+    the second call must make groups of the new world, not hand back the old ones, and
+    the first groups are freed once torch lets go of them."""
     import datetime
+    import gc
+    import weakref
 
     import torch.distributed as tdist
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     first = syncbn.sync_groups(1)
     first_ranks = tdist.get_process_group_ranks(first)
+    first_alive = weakref.ref(first)
+    del first
     tdist.destroy_process_group()
+    gc.collect()
+    # syncbn's cache must not keep the group (nor its gloo threads) alive past its end
+    first_freed = first_alive() is None
     tdist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=30),
@@ -198,7 +206,8 @@ def remade_world_job(port):
     return {
         "first_ranks": first_ranks,
         "second_ranks": tdist.get_process_group_ranks(second),
-        "new_group": second is not first,
+        "first_freed": first_freed,
+        "new_group": first_freed and second is not first_alive(),
         "cached_again": again is second,
         "output_ok": bool(torch.allclose(y, expected, rtol=1e-12, atol=1e-12)),
     }
@@ -212,4 +221,4 @@ def test_sync_groups_after_the_default_group_is_made_anew():
         results = own.run(remade_world_job, free_port())
     for rank, r in enumerate(results):
         assert r["first_ranks"] == [rank] and r["second_ranks"] == [rank]
-        assert r["new_group"] and r["cached_again"] and r["output_ok"], r
+        assert r["first_freed"] and r["new_group"] and r["cached_again"] and r["output_ok"], r

@@ -14,16 +14,19 @@ batches only; the groups never talk to each other.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Tuple
 
 from . import distributed
 
 __all__ = ["sync_groups"]
 
-# group_size -> (the default group it was made in, this rank's group): calling sync_groups
-# again with the same size returns the same group instead of creating new ones, until the
-# default group is destroyed and made anew
-_CACHE: Dict[int, Tuple[object, object]] = {}
+# group_size -> weak references to (the default group it was made in, this rank's group):
+# calling sync_groups again with the same size returns the same group instead of creating
+# new ones, until the default group is destroyed and made anew. Weak, so that syncbn never
+# keeps a group alive: destroy_process_group must be able to free both (docs/torch.md,
+# "Ending a job": a group kept alive keeps gloo's threads running into interpreter shutdown).
+_CACHE: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
 
 def sync_groups(group_size: int):
@@ -66,9 +69,11 @@ def sync_groups(group_size: int):
         return None
     world_group = distributed.default_group()
     cached = _CACHE.get(group_size)
-    if cached is not None and cached[0] is world_group:  # same world: reuse the groups
-        return cached[1]
+    if cached is not None and cached[0]() is world_group:  # same world: reuse the groups
+        group = cached[1]()
+        if group is not None:  # alive as long as torch's registry of groups holds it
+            return group
     blocks = [range(start, start + group_size) for start in range(0, world, group_size)]
     group = distributed.new_groups(blocks)
-    _CACHE[group_size] = (world_group, group)
+    _CACHE[group_size] = (weakref.ref(world_group), weakref.ref(group))
     return group
