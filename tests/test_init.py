@@ -27,3 +27,16 @@ def test_import_syncbn_imports_no_framework():
             "('torch', 'tensorflow', 'keras', 'jax', 'flax')]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_import_syncbn_after_torch_imports_torch_distributed_nn_first():
+    """torch.distributed.nn binds the default group into its functions' default arguments
+    at its first import; ``import syncbn`` after torch imports it while no group exists yet,
+    so that the script's ``destroy_process_group()`` can free the group later (the
+    end-to-end check is the torchrun wrapper of tests/doc_blocks.py)."""
+    code = ("import sys, torch; assert 'torch.distributed.nn' not in sys.modules; import syncbn; "
+            "import torch.distributed.nn.functional as f; "
+            "print(f.all_reduce.__defaults__); sys.exit(0 if 'torch.distributed.nn' in sys.modules else 1)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ProcessGroup" not in proc.stdout, proc.stdout

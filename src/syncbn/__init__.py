@@ -20,6 +20,7 @@ The PyTorch names below are imported lazily, on first use, so that
 ``import syncbn`` never imports TensorFlow.
 """
 
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,32 @@ __all__ = sorted(_TORCH_NAMES) + ["__version__"]
 
 # old module paths (syncbn.batchnorm, ...) keep importing, with a DeprecationWarning
 _moved.install()
+
+
+def _import_torch_distributed_nn() -> None:
+    """Import ``torch.distributed.nn`` now if torch is already imported (about 4 ms).
+
+    That module binds ``group.WORLD`` into its functions' default arguments when it is first
+    imported, and torch's compiler imports it, so ``DistributedDataParallel`` and
+    ``syncbn.torch`` do, lazily. First imported after ``init_process_group``, it holds the
+    default group for good: ``destroy_process_group`` cannot free it, gloo's worker threads
+    outlive the script, and on torch 2.13 such a thread can abort the process at exit
+    ("terminate called without an active exception"; docs/torch.md, "Ending a job"). A script
+    that imports torch, then syncbn, then makes its group has it imported here, first.
+    Never imports torch itself (``import syncbn.keras`` needs none)."""
+    if "torch" not in sys.modules:
+        return
+    torch = sys.modules["torch"]
+    distributed = getattr(torch, "distributed", None)
+    if distributed is None or not distributed.is_available():
+        return
+    try:
+        import torch.distributed.nn  # noqa: F401
+    except ImportError:  # pragma: no cover - a torch build without its RPC parts: nothing to bind early
+        pass
+
+
+_import_torch_distributed_nn()
 
 
 if not TYPE_CHECKING:  # type checkers see the imports above, and an unknown name as an error
