@@ -2,7 +2,9 @@
 
 Each block is found by its first line in :data:`HOW`, which says how it runs; a block that
 is not there fails the test, so a new block cannot go untested. The harness may give a block
-its devices (two host devices for JAX) but never edits it.
+its devices (two host devices for JAX) and run it through a wrapper that checks what the
+block leaves behind (the torchrun script: its process group really ended), but never edits
+it.
 """
 
 from __future__ import annotations
@@ -57,10 +59,13 @@ def run_install(body, tmp_path):
 
 
 def run_torchrun(body, tmp_path):
-    """The training script, under ``torchrun --standalone --nproc-per-node 2`` (gloo on CPU)."""
+    """The training script, under ``torchrun --standalone --nproc-per-node 2`` (gloo on CPU),
+    through a wrapper that then checks that the group it destroyed is really gone
+    (:func:`doc_blocks.torchrun_wrapper`)."""
     command = re.search(r"run with\s+(torchrun .*\.py)", body).group(1).split()
     (tmp_path / command[-1]).write_text(body)
-    _run([str(BIN / "torchrun"), *command[1:]], tmp_path, _env(), timeout=300)
+    (tmp_path / "_ended.py").write_text(doc_blocks.torchrun_wrapper())
+    _run([str(BIN / "torchrun"), *command[1:-1], "_ended.py", command[-1]], tmp_path, _env(), timeout=300)
 
 
 def run_keras_tensorflow(body, tmp_path):

@@ -26,15 +26,10 @@ RECIPES = doc_blocks.ROOT / "docs" / "recipes.md"
 TESTS = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 
-WRAPPER = f"""import runpy, sys
-sys.path.insert(0, {str(TESTS)!r})
+WRAPPER = doc_blocks.torchrun_wrapper(f"""sys.path.insert(0, {str(TESTS)!r})
 import torchvision_shim, mmcv_shim
 torchvision_shim.install()
-mmcv_shim.install()
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-runpy.run_path(script, run_name="__main__")
-"""
+mmcv_shim.install()""")
 
 
 def needs(*modules):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import doc_blocks
 from demo_checks import check_report, run_command
 from syncbn import cli, demo
 from syncbn.demo import report as demo_report, torch as demo_torch
@@ -36,9 +37,11 @@ def test_quick_demo_spawned(tmp_path):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_quick_demo_under_torchrun(tmp_path):
     out_dir = tmp_path / "demo"
+    # through the wrapper that checks that each rank's process group really ended
+    (tmp_path / "_ended.py").write_text(doc_blocks.torchrun_wrapper())
     out, err = run_command(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "syncbn", "demo", "--quick", "--out", str(out_dir)],
+         "_ended.py", "-m", "syncbn", "demo", "--quick", "--out", str(out_dir)],
         tmp_path,
     )
     check_report(out_dir, 2, "torchrun")

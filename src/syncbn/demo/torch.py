@@ -48,6 +48,7 @@ from . import report as report_
 from .config import DemoConfig
 from .report import RunRecord
 from .digits import NUM_CLASSES, make_split
+from .. import torch as sbn  # before any process group: see _run_torchrun
 from ..tools.launch import WorkerPool, launched_by_torchrun
 from .torch_models import build_segmentation_model, count_batchnorm
 
@@ -111,9 +112,12 @@ def _run_torchrun(config: DemoConfig) -> int:
     dist.init_process_group(config.backend, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
     try:
         ctx, data, records = _distributed_runs(config, "torchrun")
-        # Every rank leaves the group at the same point: a rank that tore its gloo pairs
-        # down while rank 0 still read from them was seen to abort ("terminate called
-        # without an active exception"). Rank 0 then computes the reference alone.
+        # Every rank leaves the group at the same point; rank 0 then computes the reference
+        # alone. destroy_process_group frees the group here, since nothing holds it any
+        # more (the DDP models are gone, and syncbn.torch, imported with this module,
+        # imported torch.distributed.nn before the group existed): gloo's threads end now,
+        # not in interpreter shutdown, where on torch 2.13 they can abort a rank ("terminate
+        # called without an active exception", seen in CI; docs/torch.md, "Ending a job").
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -288,8 +292,6 @@ def train_on_rank(config: DemoConfig, launcher: str) -> Optional[dict]:
 
 def _distributed_runs(config: DemoConfig, launcher: str):
     """Runs 1 and 2 (DDP, every rank): returns this rank's context, data and records."""
-    from .. import torch as sbn
-
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != config.world_size:
         raise RuntimeError(f"process group has {world} ranks, the config says {config.world_size}")
