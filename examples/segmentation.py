@@ -446,6 +446,7 @@ def main(argv=None):
                 os.path.join(args.out, "last.pt"))
         dist.barrier()  # the others wait until the checkpoint is complete
     say(f"done: epoch {last_epoch} of {args.epochs}, best val mIoU {best:.4f}, checkpoints in {args.out}")
+    del ddp  # it holds the group: gone, destroy_process_group frees it (docs/torch.md, "Ending a job")
     dist.destroy_process_group()
 
 

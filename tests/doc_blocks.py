@@ -32,18 +32,51 @@ def run(cmd, cwd, environment, timeout=600):
     return proc
 
 
-def torchrun_wrapper(prelude: str = "") -> str:
-    """A script that runs ``sys.argv[1]`` (or ``-m MODULE``) as ``__main__`` (after ``prelude``), then checks
-    that a process group the script destroyed is really gone.
+
+def exit_unless_group_freed(script: str) -> None:
+    """In a rank process, after ``script`` ran: exit with status 3 (``os._exit``, past
+    interpreter shutdown) when the script did not destroy its process group, or when any of
+    gloo's threads still runs after it did, that is, when the group was not freed.
 
     ``destroy_process_group()`` frees the group only when nothing else holds it (a live
     DDP model does; so does ``torch.distributed.nn`` when first imported after
     ``init_process_group``). A group that is not freed keeps gloo's threads running into
     interpreter shutdown, where on torch 2.13 one of them can abort the process, rarely
-    (docs/torch.md, "Ending a job"). The check fails every time such a script runs, not
-    only on the rare run that aborts: once the script has ended its group, no thread of
-    the process may be one of gloo's (Linux names them, e.g. ``pt_gloo_runloop``)."""
-    return f"""import glob, os, runpy, sys
+    (docs/torch.md, "Ending a job"). This check fails every time such a script runs, not
+    only on the rare run that aborts (Linux names the threads, e.g. ``pt_gloo_runloop``)."""
+    import glob
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
+        sys.stderr.write(f"{script} ended without destroy_process_group(): its group and gloo's threads "
+                         "run into interpreter shutdown\n")
+        sys.stderr.flush()
+        os._exit(3)
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    left = sorted(name for name in names if "gloo" in name)
+    if left:
+        sys.stderr.write(f"{script} destroyed its process group, but it was not freed: gloo's threads "
+                         f"{left} still run into interpreter shutdown (something still holds the group)\n")
+        sys.stderr.flush()
+        os._exit(3)
+
+
+def torchrun_wrapper(prelude: str = "") -> str:
+    """A script that runs ``sys.argv[1]`` (or ``-m MODULE``) as ``__main__`` (after
+    ``prelude``), keeping what it leaves as its own end would, then
+    :func:`exit_unless_group_freed`."""
+    return f"""import runpy, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 {prelude}
 status = 0
 try:
@@ -57,20 +90,7 @@ try:
         left_by_script = runpy.run_path(script, run_name="__main__")  # kept: as at the script's own end
 except SystemExit as done:
     status = done.code
-import torch.distributed as dist
-if dist.is_available() and not dist.is_initialized():
-    names = []
-    for path in glob.glob("/proc/self/task/*/comm"):
-        try:
-            with open(path) as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass
-    left = sorted(name for name in names if "gloo" in name)
-    if left:
-        sys.stderr.write(f"{{script}} destroyed its process group, but it was not freed: gloo's threads "
-                         f"{{left}} still run into interpreter shutdown (something still holds the group)\\n")
-        sys.stderr.flush()
-        os._exit(3)
+import doc_blocks
+doc_blocks.exit_unless_group_freed(script)
 sys.exit(status)
 """

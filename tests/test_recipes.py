@@ -23,11 +23,9 @@ import doc_blocks
 import keras_harness
 
 RECIPES = doc_blocks.ROOT / "docs" / "recipes.md"
-TESTS = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 
-WRAPPER = doc_blocks.torchrun_wrapper(f"""sys.path.insert(0, {str(TESTS)!r})
-import torchvision_shim, mmcv_shim
+WRAPPER = doc_blocks.torchrun_wrapper("""import torchvision_shim, mmcv_shim
 torchvision_shim.install()
 mmcv_shim.install()""")
 

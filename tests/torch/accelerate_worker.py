@@ -61,7 +61,15 @@ def main(out_dir: str) -> None:
         },
         f"{out_dir}/rank{accelerator.process_index}.pt",
     )
+    # the end of a job (docs/torch.md, "Ending a job"): the Accelerator keeps the prepared
+    # (DDP) model too, so free_memory() before end_training() destroys the group
+    del model, plain
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    import doc_blocks
+
+    doc_blocks.exit_unless_group_freed("accelerate_worker.py")
