@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -198,3 +199,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import doc_blocks
+
+    doc_blocks.exit_unless_group_freed("keras_torch_worker.py")  # ended, and freed: no abort at exit
