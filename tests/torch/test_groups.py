@@ -188,6 +188,10 @@ def remade_world_job(port):
     first_ranks = tdist.get_process_group_ranks(first)
     first_alive = weakref.ref(first)
     del first
+    # every rank done with the groups before any destroys them: new_group's own barrier lets
+    # rank 0 go on while another rank still reads the store that rank 0 serves, and the
+    # world, now really freed, takes that store with it
+    tdist.barrier()
     tdist.destroy_process_group()
     gc.collect()
     # syncbn's cache must not keep the group (nor its gloo threads) alive past its end
