@@ -32,7 +32,6 @@ def run(cmd, cwd, environment, timeout=600):
     return proc
 
 
-
 def exit_unless_group_freed(script: str) -> None:
     """In a rank process, after ``script`` ran: exit with status 3 (``os._exit``, past
     interpreter shutdown) when the script did not destroy its process group, or when any of
@@ -49,13 +48,15 @@ def exit_unless_group_freed(script: str) -> None:
 
     import torch.distributed as dist
 
+    def fail(message):
+        sys.stderr.write(f"{script} {message}\n")
+        sys.stderr.flush()
+        os._exit(3)
+
     if not dist.is_available():
         return
     if dist.is_initialized():
-        sys.stderr.write(f"{script} ended without destroy_process_group(): its group and gloo's threads "
-                         "run into interpreter shutdown\n")
-        sys.stderr.flush()
-        os._exit(3)
+        fail("ended without destroy_process_group(): its group and gloo's threads run into interpreter shutdown")
     names = []
     for path in glob.glob("/proc/self/task/*/comm"):
         try:
@@ -65,10 +66,8 @@ def exit_unless_group_freed(script: str) -> None:
             pass
     left = sorted(name for name in names if "gloo" in name)
     if left:
-        sys.stderr.write(f"{script} destroyed its process group, but it was not freed: gloo's threads "
-                         f"{left} still run into interpreter shutdown (something still holds the group)\n")
-        sys.stderr.flush()
-        os._exit(3)
+        fail(f"destroyed its process group, but it was not freed: gloo's threads {left} still run into "
+             "interpreter shutdown (something still holds the group)")
 
 
 def torchrun_wrapper(prelude: str = "") -> str:
