@@ -50,10 +50,9 @@ def _worker_main(rank, world_size, port, backend, timeout_s, threads, tasks, res
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     import torch.distributed as dist
-
-    from .. import _import_torch_distributed_nn
-
-    _import_torch_distributed_nn()  # before the group exists, so that destroying it frees it
+    import torch.distributed.nn  # noqa: F401 - before the group exists, so that it can be freed
+    # (imported after init_process_group it would hold the group for good: docs/torch.md,
+    # "Ending a job"; the jobs import syncbn.torch, and with it this module, later)
 
     torch.set_num_threads(threads)
     dist.init_process_group(
