@@ -157,6 +157,69 @@ except Exception as err:
     return {"bn_layers": BN_LAYERS, **figures}
 
 
+def preset_files(model, directory):
+    """Save ``model`` with keras_hub's ``save_to_preset``: {file name: its JSON (None for
+    weights files)}, and the warnings from syncbn it gave (h5py and numpy give others)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_to_preset(directory)
+    files = {name: (json.load(open(os.path.join(directory, name))) if name.endswith(".json") else None)
+             for name in sorted(os.listdir(directory))}
+    files.pop("metadata.json")  # the date and versions of the save
+    return files, [str(w.message) for w in caught if str(w.message).startswith("syncbn")]
+
+
+@check
+def preset_holds_the_plain_model_and_says_so():
+    """keras_hub's ``save_to_preset`` of a converted segmenter (and of its backbone)
+    writes the preset of the model before the conversion (the same files, the same JSON)
+    and warns, naming ``syncbn.keras.convert``; the model stays converted. The preset
+    loads through ``from_preset`` of the segmenter's class, of ``ImageSegmenter`` and of
+    ``Backbone`` with the same predictions, and ``convert`` synchronizes all 16 layers of
+    what it returns again. (A preset of the converted classes would not load at all:
+    ``from_preset`` refuses ``syncbn>Synchronized``, which no keras_hub class is.)"""
+    import keras_hub
+
+    from syncbn.keras import convert
+
+    rng = np.random.default_rng(37)
+    model = build()
+    model.preprocessor = keras_hub.models.DeepLabV3ImageSegmenterPreprocessor(
+        image_converter=keras_hub.layers.DeepLabV3ImageConverter(image_size=(32, 32)))
+    data = rng.standard_normal((2, 32, 32, 3)).astype(np.float32)
+    model(data)
+    randomize(model, rng)
+    want = np.asarray(model(data, training=False))
+    synced = convert(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain_files, plain_warnings = preset_files(model, os.path.join(tmp, "plain"))
+        assert plain_warnings == [], plain_warnings
+        for name, saved in ((synced, "synced"), (synced.backbone, "backbone")):
+            files, said = preset_files(name, os.path.join(tmp, saved))
+            assert len(said) == 1 and "syncbn.keras.convert()" in said[0], said
+            if saved == "synced":
+                assert files == plain_files, sorted(files)
+            else:
+                assert files["config.json"] == plain_files["config.json"], files["config.json"]
+        assert bn_kinds(synced) == (0, BN_LAYERS), bn_kinds(synced)
+
+        loaders = (keras_hub.models.DeepLabV3ImageSegmenter, keras_hub.models.ImageSegmenter)
+        for loader in loaders:
+            loaded = loader.from_preset(os.path.join(tmp, "synced"))
+            assert type(loaded) is keras_hub.models.DeepLabV3ImageSegmenter, type(loaded)
+            assert loaded.preprocessor is not None
+            assert bn_kinds(loaded) == (BN_LAYERS, 0), bn_kinds(loaded)
+            np.testing.assert_array_equal(np.asarray(loaded(data, training=False)), want)
+        again = convert(loaded)
+        assert bn_kinds(again) == (0, BN_LAYERS), bn_kinds(again)
+        np.testing.assert_array_equal(np.asarray(again(data, training=False)), want)
+        backbone = keras_hub.models.Backbone.from_preset(os.path.join(tmp, "backbone"))
+        assert type(backbone) is keras_hub.models.DeepLabV3Backbone and bn_kinds(backbone) == (BN_LAYERS, 0)
+    return {"preset_files": sorted(plain_files), "loaded_through": [c.__name__ for c in loaders] + ["Backbone"]}
+
+
 @check
 def trains_as_one_device_under_mirrored_strategy():
     """2 replicas, 2 images each, float64: one training call of the converted segmenter

@@ -360,8 +360,10 @@ def synchronized_class(original):
         return original
     cls = _SYNCHRONIZED_CLASSES.get(original)
     if cls is None:
-        cls = type(f"Synchronized{original.__name__}", (Synchronized, original),
-                   {"__module__": __name__, "__qualname__": f"Synchronized{original.__name__}"})
+        namespace = {"__module__": __name__, "__qualname__": f"Synchronized{original.__name__}"}
+        if callable(getattr(original, "save_to_preset", None)):  # keras_hub's Backbone, Task
+            namespace["save_to_preset"] = _save_plain_preset
+        cls = type(f"Synchronized{original.__name__}", (Synchronized, original), namespace)
         # Keras saves an object under its class's registered name: register the new class
         # under the mixin's name, then point that name back at the mixin (the live dict of
         # keras.saving.get_custom_objects()); either class's from_config reads the class
@@ -370,6 +372,26 @@ def synchronized_class(original):
         keras.saving.get_custom_objects()["syncbn>Synchronized"] = Synchronized
         _SYNCHRONIZED_CLASSES[original] = cls
     return cls
+
+
+def _save_plain_preset(self, preset_dir, *args, **kwargs):
+    """``save_to_preset`` of a converted keras_hub model: keras_hub's own, applied to
+    :func:`revert` of it, with a warning naming how to synchronize it again.
+
+    keras_hub's ``from_preset`` finds the class to build from the preset's registered
+    names and refuses (or, given ``num_classes``, rebuilds the head around) one that is not
+    a subclass of the class it is called on, which ``syncbn>Synchronized`` never is: a
+    converted model's own preset would not load back. The preset therefore holds the plain
+    model, with the files, layer names and weights it had before the conversion, which any
+    keras_hub loads; the model itself stays converted."""
+    revert(self).save_to_preset(preset_dir, *args, **kwargs)
+    warnings.warn(
+        f"syncbn.keras: saved the preset {preset_dir} with plain BatchNormalization layers "
+        "(keras_hub's from_preset() rebuilds a preset's classes by their registered names, "
+        "which cannot say they are synchronized): call syncbn.keras.convert() on what "
+        "from_preset() returns to train synchronized again, or save with "
+        "model.save('model.keras'), which keeps the layers synchronized in the file",
+        UserWarning, stacklevel=2)
 
 
 def original_class(cls):
