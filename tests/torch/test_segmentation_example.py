@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+import doc_blocks
+
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent.parent / "examples" / "segmentation.py"
 MODEL = "lraspp_mobilenet_v3_large"
@@ -102,7 +104,15 @@ def make_voc(root: Path, rng) -> int:
     return labelled
 
 
+# runs the example with torchvision importable beside a CPU-only torch, then checks that the
+# process group the example destroyed was really freed (doc_blocks.exit_unless_group_freed)
+RUNNER = doc_blocks.torchrun_wrapper("""import torchvision_shim
+torchvision_shim.install()""")
+
+
 def train(data: Path, out: Path, *extra: str) -> str:
+    runner = out.parent / "_ended.py"
+    runner.write_text(RUNNER)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(HERE.parent.parent / "src"), str(HERE), str(HERE.parent)]),
@@ -111,7 +121,7 @@ def train(data: Path, out: Path, *extra: str) -> str:
         CUDA_VISIBLE_DEVICES="",
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "segmentation_runner.py"), "--data", str(data), "--out", str(out), "--model", MODEL,
+           str(runner), str(EXAMPLE), "--data", str(data), "--out", str(out), "--model", MODEL,
            "--num-classes", str(CLASSES), "--batch-size", "1", "--crop", "32", "--val-crop", "64",
            "--workers", "0", "--print-freq", "1", "--lr", "0.05", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(out.parent))
