@@ -4,6 +4,7 @@ output, in place vs out of place, saved bytes, collectives, and the fusing helpe
 
 import copy
 import itertools
+import math
 import random
 import warnings
 from dataclasses import dataclass, replace
@@ -217,6 +218,40 @@ def test_elu_saturated_outputs(pool, dtype):
     """Pre-activations far below zero: ELU's output is -alpha to the last bit there."""
     base = Case(world=2, sizes=(4, 3), tail=(5,), channels=4, dtype=dtype, steps=2, seed=9)
     case = ActCase(base, "elu", 1.0, weight=(1.0, 3.0, -2.0, 0.5), bias=(-30.0, -6.0, -4.0, 0.0), dy_from_x=1.0)
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+# ELU's most negative pre-activation put (through the bias, from the data) where the
+# output rounds to -alpha although exp(-z_min) / |w| is within the budget, |w| being large:
+# dtype -> (|w|, z_min)
+ELU_EDGE = {"float32": (1e6, -18.3), "float64": (2e12, -38.2), "bfloat16": (1024.0, -7.3), "float16": (1e4, -9.8)}
+
+
+def elu_edge_case(dtype: str) -> ActCase:
+    """Channel 0 of a 2-rank ELU case at ``ELU_EDGE[dtype]``; the others ordinary."""
+    from syncbn.torch.batchnorm_act import AMPLIFICATION_BUDGET
+
+    half = dtype in ("bfloat16", "float16")
+    base = Case(world=2, sizes=(3, 2), tail=(4, 3), channels=4, dtype=dtype, steps=1, seed=9,
+                param_dtype="float32" if half else None)
+    weight, z_min = ELU_EDGE[dtype]
+    first = torch.cat(make_data(base)["steps"][0][0])[:, 0]
+    low = ((first.min() - first.mean()) / torch.sqrt(first.var(unbiased=False) + base.eps)).item()
+    case = ActCase(base, "elu", 1.0, weight=(weight, 1.0, -0.5, 0.7), bias=(z_min - weight * low, 0.2, -0.3, 0.1))
+    # what makes the case, with room for the rounding of z: the budget alone keeps nothing,
+    # and ELU's output is -1 at z_min + 0.3
+    dt = DTYPES[dtype]
+    assert math.exp(-z_min) / weight <= AMPLIFICATION_BUDGET[dt] / 2
+    assert torch.expm1(torch.tensor(z_min + 0.3, dtype=torch.float64)).to(dt).item() == -1.0
+    return case
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_elu_output_rounded_to_minus_alpha_with_a_large_weight(pool, dtype):
+    """Where ELU's output is -alpha to the last bit its inverse gives -inf, whatever |w|:
+    such a channel keeps its input even when exp(-z_min) / |w| is within the budget (before,
+    its weight gradient was NaN)."""
+    case = elu_edge_case(dtype)
     check_act_case(case, pool.run(run_act_case, case))
 
 

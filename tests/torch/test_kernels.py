@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from bn_oracle import Case, check_case, run_case  # noqa: E402
 from test_batchnorm import GRID  # noqa: E402
 from triton_pool import interpreting_pool  # noqa: E402
-from test_batchnorm_act import ActCase, check_act_case, run_act_case  # noqa: E402
+from test_batchnorm_act import ActCase, check_act_case, elu_edge_case, run_act_case  # noqa: E402
 from test_batchnorm_act import _grid as act_grid  # noqa: E402
 from workers import group_of, in_group  # noqa: E402
 
@@ -215,6 +215,17 @@ def test_elu_kernels_keep_saturating_channels_exactly(triton_pool, dtype, monkey
     results = triton_pool.run(elu_outlier_job, case)
     _ran_kernels(results, base)
     monkeypatch.setattr(test_batchnorm_act, "act_data", _with_outlier(test_batchnorm_act.act_data))
+    check_act_case(case, results)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_elu_kernels_keep_channels_whose_output_rounds_to_minus_alpha(triton_pool, dtype):
+    """A large |w| keeps exp(-z_min) / |w| within the budget while ELU's output at z_min is
+    -alpha exactly (test_batchnorm_act.elu_edge_case): the merge kernel keeps that channel
+    too (exp(-z_min) > 1 / (8 eps)); before, its gradients were NaN."""
+    case = elu_edge_case(dtype)
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, case.base)
     check_act_case(case, results)
 
 

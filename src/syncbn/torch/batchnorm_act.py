@@ -27,7 +27,9 @@ only) this rank's most negative pre-activation::
 
 (``tiny`` the smallest normal number of the stored dtype, for outputs near zero) and,
 for every channel where ``A`` exceeds a budget (2**16 for float64, 2**8 for float32,
-2**3 for float16, 2**2 for bfloat16) or ``w == 0``, the layer also keeps that channel's
+2**3 for float16, 2**2 for bfloat16) or ``w == 0`` (for ELU also where ``exp(-z_min)``
+exceeds ``1 / (8 eps)``: there the output is too close to ``-alpha`` for the first-order
+bound, or at it, whatever ``|w|``; see :func:`elu_limit`), the layer also keeps that channel's
 input values and takes ``xhat`` from them, exactly as :class:`syncbn.SyncBatchNorm`
 does, and the activation's slope at the pre-activation recomputed from them (the stored
 output may have rounded it to zero). The choice is local to each rank and changes what
@@ -238,8 +240,19 @@ def _channels_to_keep(x, dtype, weight, bias, mean, invstd, activation, param) -
         # the most negative pre-activation of each channel on this rank
         extreme = torch.where(weight >= 0, low, high)
         z_min = bias + weight * ((extreme - mean) * invstd)
-        amplification = torch.maximum(amplification, torch.exp(-z_min) * (1 + info.tiny / param) / scale)
+        grow = torch.exp(-z_min) * (1 + info.tiny / param)
+        return ~((torch.maximum(amplification, grow / scale) <= budget) & (grow <= elu_limit(dtype)))
     return ~(amplification <= budget)
+
+
+def elu_limit(dtype) -> float:
+    """The most ``exp(-z_min)`` that ELU's inverse may meet in an output of ``dtype``,
+    ``1 / (8 eps)``: the output's rounding error (at most ``eps * alpha``, with the forward's
+    own) is then at most an eighth of its distance ``alpha * exp(z)`` from ``-alpha``, where
+    ``log1p`` stays within 7% of its first-order error. Beyond it, ``z`` is lost (at ``-alpha``
+    exactly, ``log1p`` gives ``-inf``) however large ``|w|``: the budget's ``exp(-z_min) / |w|``
+    alone would let such a channel through when ``|w|`` is large (``|w| > 2**12`` in float32)."""
+    return 1.0 / (8.0 * torch.finfo(dtype).eps)
 
 
 def _centering_needed(mean: Tensor, var: Tensor, device) -> bool:
@@ -475,8 +488,9 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
     summed = distributed.all_reduce_sum(payload, group) if syncing else payload
     size = fingerprint.SIZE
     slope = param if activation in ("leaky_relu", "elu") else 1.0  # ELU: alpha
-    budget, floor, _ = _fit_bounds(x.dtype if x.dtype in AMPLIFICATION_BUDGET else torch.float32, activation, slope)
-    scalars = stats.kernel_scalars(eps, device, slope, budget, floor)
+    stored = x.dtype if x.dtype in AMPLIFICATION_BUDGET else torch.float32
+    budget, floor, _ = _fit_bounds(stored, activation, slope)
+    scalars = stats.kernel_scalars(eps, device, slope, budget, floor, elu_limit(stored))
     stats_c, ok, slots, fits = kernels.merge(summed, agree, scalars, _momentum_tensor(momentum, device), running_mean,
                                              running_var, cdtype, weight, bias, capacity, local)
     if syncing:
@@ -496,7 +510,7 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
         ctx.overflow = KeptChannelsOverflow(
             f"SyncBatchNormAct({channels}): more channels than the {kept_cap} it can keep have a weight too small "
             f"next to their bias ((|b| + tiny) / |w| > {budget:g}, w = 0 included)"
-            f"{' or saturate the ELU (exp(-z_min) / |w| > budget) on at least one rank' if elu else ''} for their "
+            f"{' or saturate the ELU (exp(-z_min) / |w| > budget, or exp(-z_min) > 1 / (8 eps)) on at least one rank' if elu else ''} for their "
             "input to be recovered from the output; this step's gradients are not exact. Use SyncBatchNorm followed "
             "by the activation for this layer (syncbn.revert_sync_batchnorm, or fuse_batchnorm_act leaving it out).")
     if capacity >= 0 and not late:

@@ -403,7 +403,10 @@ def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats
                 high = tl.load(ext_ptr + C + cols, mask=cmask, other=0.0)
                 z_min = bs + ws * ((tl.where(ws >= 0, low, high) - mean) * invstd)
                 grow = tl.exp(-z_min) * (1.0 + floor / tl.load(scalar_ptr + 1))
-                hard = hard | ((~(grow <= budget * w)) & cmask)
+                # and exp(-z_min) > limit (1 / (8 eps)): the output is within an eighth of its
+                # own rounding of -alpha, or at it, where the first-order bound fails
+                fine = (grow <= budget * w) & (grow <= tl.load(scalar_ptr + 4))
+                hard = hard | ((~fine) & cmask)
             flags = tl.where(hard, 1, 0)
             order = taken + tl.cumsum(flags, axis=0) - 1
             slot = tl.where(hard & (order < capacity), order, -1)
@@ -926,14 +929,15 @@ def merge(summed, agree, scalars, momentum, running_mean, running_var, cdtype, w
     """After the all-reduce (kernel 3): ``(stats, ok, slots, fits)``. ``stats`` is (3, C)
     ``[mean_hi, mean_lo, invstd]`` in ``cdtype``; ``ok`` the fingerprint's verdict (0-d
     bool); the running buffers move in place where ``ok`` and ``N > 1``. ``scalars`` is
-    the float64 ``[eps, activation parameter, budget, floor]``, ``momentum`` a 0-d tensor.
+    the float64 ``[eps, activation parameter, budget, floor, limit]``, ``momentum`` a 0-d tensor.
     With ``capacity >= 0`` (the activated layer) also ``slots`` (int32, C): the slot in
     the kept inputs of each channel whose ``(|b| + floor) / |w|`` exceeds the budget, in
     channel order (-1: none), and ``fits``: whether all such channels got a slot. With
     ``extremes`` (ELU: this rank's (2, C) minimum and maximum from :func:`moment_payload`,
     ``scalars[1]`` alpha) also each channel where ``exp(-z_min) (1 + floor / alpha) / |w|``
-    exceeds the budget, ``z_min = b + w (x_ext - mean) invstd`` this rank's most negative
-    pre-activation: a choice local to the rank, the statistics and buffers the group's."""
+    exceeds the budget or ``exp(-z_min) (1 + floor / alpha)`` exceeds ``limit``,
+    ``z_min = b + w (x_ext - mean) invstd`` this rank's most negative pre-activation: a
+    choice local to the rank, the statistics and buffers the group's."""
     return _ops()["triton_merge"](summed, agree, scalars, momentum, running_mean, running_var, cdtype, weight,
                                   bias, capacity, extremes)
 

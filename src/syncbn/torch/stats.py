@@ -541,14 +541,16 @@ def triton_path(x: torch.Tensor) -> bool:
     return kernels.supports(x) and kernels.flattenable(x)
 
 
-def _kernel_scalars(eps: float, param: float, budget: float, floor: float) -> list:
-    return [eps, param, budget, floor]
+def _kernel_scalars(eps: float, param: float, budget: float, floor: float, limit: float) -> list:
+    return [eps, param, budget, floor, limit]
 
 
-def kernel_scalars(eps: float, device, param: float = 1.0, budget: float = 0.0, floor: float = 0.0):
-    """The kernels' float64 scalars ``[eps, activation parameter, budget, floor]``, kept on
-    the device (:func:`constant`)."""
-    return constant(_kernel_scalars, (float(eps), float(param), float(budget), float(floor)), torch.float64,
+def kernel_scalars(eps: float, device, param: float = 1.0, budget: float = 0.0, floor: float = 0.0,
+                   limit: float = 0.0):
+    """The kernels' float64 scalars ``[eps, activation parameter, budget, floor, limit]``
+    (``limit``: ELU's bound on ``exp(-z_min)``), kept on the device (:func:`constant`)."""
+    return constant(_kernel_scalars, (float(eps), float(param), float(budget), float(floor), float(limit)),
+                    torch.float64,
                     device)
 
 
