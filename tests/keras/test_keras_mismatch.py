@@ -45,8 +45,15 @@ def outcomes():
                     "keras/keras_mismatch_worker.py",
                     ["--index", index, "--out", tmp, "--timeout", COLLECTIVE_TIMEOUT, "--scenarios", *group], env))
         results = harness.finish(procs, TIMEOUT)
-        for code, output in results:
-            assert code == 0, f"worker exited with {code}:\n{output[-6000:]}"
+        members = [(group, index) for group in GROUPS for index in range(2)]
+        for (group, index), (code, output) in zip(members, results):
+            written = all((Path(tmp) / f"{name}-{index}.json").exists() for name in group)
+            # Every group ends with a step whose collectives failed; TensorFlow, aborting
+            # them, can itself die of a signal before the worker's os._exit (SIGSEGV after
+            # "Aborting RingReduce with DEADLINE_EXCEEDED", 1 of 12 runs of this file with two
+            # CPU-bound jobs beside it). Once every outcome is written, the tests below judge them.
+            assert code == 0 or (code < 0 and written), \
+                f"worker {index} of {group} exited with {code} (outcomes written: {written}):\n{output[-6000:]}"
         yield {name: [json.loads((Path(tmp) / f"{name}-{i}.json").read_text()) for i in range(2)]
                for group in GROUPS for name in group}
 
