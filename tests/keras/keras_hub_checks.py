@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -165,8 +166,8 @@ def preset_files(model, directory):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.save_to_preset(directory)
-    files = {name: (json.load(open(os.path.join(directory, name))) if name.endswith(".json") else None)
-             for name in sorted(os.listdir(directory))}
+    files = {path.name: json.loads(path.read_text()) if path.suffix == ".json" else None
+             for path in sorted(Path(directory).iterdir())}
     files.pop("metadata.json")  # the date and versions of the save
     return files, [str(w.message) for w in caught if str(w.message).startswith("syncbn")]
 
@@ -196,13 +197,12 @@ def preset_holds_the_plain_model_and_says_so():
     with tempfile.TemporaryDirectory() as tmp:
         plain_files, plain_warnings = preset_files(model, os.path.join(tmp, "plain"))
         assert plain_warnings == [], plain_warnings
-        for name, saved in ((synced, "synced"), (synced.backbone, "backbone")):
-            files, said = preset_files(name, os.path.join(tmp, saved))
-            assert len(said) == 1 and "syncbn.keras.convert()" in said[0], said
-            if saved == "synced":
-                assert files == plain_files, sorted(files)
-            else:
-                assert files["config.json"] == plain_files["config.json"], files["config.json"]
+        synced_files, said = preset_files(synced, os.path.join(tmp, "synced"))
+        backbone_files, said_too = preset_files(synced.backbone, os.path.join(tmp, "backbone"))
+        for warned in (said, said_too):
+            assert len(warned) == 1 and "syncbn.keras.convert()" in warned[0], warned
+        assert synced_files == plain_files, sorted(synced_files)
+        assert backbone_files["config.json"] == plain_files["config.json"], backbone_files["config.json"]
         assert bn_kinds(synced) == (0, BN_LAYERS), bn_kinds(synced)
 
         loaders = (keras_hub.models.DeepLabV3ImageSegmenter, keras_hub.models.ImageSegmenter)
