@@ -550,8 +550,7 @@ def kernel_scalars(eps: float, device, param: float = 1.0, budget: float = 0.0, 
     """The kernels' float64 scalars ``[eps, activation parameter, budget, floor, limit]``
     (``limit``: ELU's bound on ``exp(-z_min)``), kept on the device (:func:`constant`)."""
     return constant(_kernel_scalars, (float(eps), float(param), float(budget), float(floor), float(limit)),
-                    torch.float64,
-                    device)
+                    torch.float64, device)
 
 
 # Small constant tensors of the CUDA path (the payload's fixed values, its offset and mask,
