@@ -127,13 +127,14 @@ def _installed() -> bool:
 
 def _triton():
     """Import Triton (once) and bind ``tl`` and the kernels' helper functions."""
-    global triton, tl, _elu_inverse
+    global triton, tl, _elu_inverse, _affine
     if triton is None:
         import triton as _t
         import triton.language as _tl
 
         triton, tl = _t, _tl
         _elu_inverse = _t.jit(_elu_inverse_source)
+        _affine = _t.jit(_affine_source)
     return triton
 
 
@@ -252,6 +253,21 @@ def _programs(device, channel_blocks: int, tiles: int) -> int:
 # ---- the kernels (plain functions, compiled by _kernel on first use) ----------------
 
 _elu_inverse = None  # bound by _triton(): _elu_inverse_source, compiled
+_affine = None  # bound by _triton(): _affine_source, compiled
+
+
+def _affine_source(w_ptr, b_ptr, cols, cmask, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
+                   HAS_B: tl.constexpr):
+    # a block of the weight and bias in float64; an absent weight reads as 1, a bias as 0
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=1.0).to(tl.float64)
+    else:
+        w = tl.full([BLOCK], 1.0, tl.float64)
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
+    else:
+        b = tl.zeros([BLOCK], dtype=tl.float64)
+    return w, b
 
 
 def _elu_inverse_source(y, alpha):
@@ -385,14 +401,7 @@ def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats
         if CHOOSE:
             # channels whose xhat the stored output cannot give back within the budget:
             # (|b| + floor) / |w| > budget, w = 0 included; each takes the next free slot
-            if HAS_W:
-                ws = tl.load(w_ptr + cols, mask=cmask, other=1.0).to(tl.float64)
-            else:
-                ws = tl.full([BLOCK], 1.0, tl.float64)
-            if HAS_B:
-                bs = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
-            else:
-                bs = tl.zeros([BLOCK], dtype=tl.float64)
+            ws, bs = _affine(w_ptr, b_ptr, cols, cmask, BLOCK, HAS_W, HAS_B)
             w = tl.abs(ws)
             hard = (~((tl.abs(bs) + floor) <= budget * w)) & cmask
             if ELU:
@@ -473,14 +482,7 @@ def _grad_partials_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, 
     if MODE >= 1:
         invstd = tl.load(stats_ptr + 2 * C + cols, mask=cmask, other=0.0).to(tl.float64)
         slope = tl.load(scalar_ptr + 1)
-        if HAS_W:
-            w = tl.load(w_ptr + cols, mask=cmask, other=1.0).to(tl.float64)
-        else:
-            w = tl.full([BLOCK_C], 1.0, tl.float64)
-        if HAS_B:
-            b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float64)
-        else:
-            b = tl.zeros([BLOCK_C], dtype=tl.float64)
+        w, b = _affine(w_ptr, b_ptr, cols, cmask, BLOCK_C, HAS_W, HAS_B)
         recip = tl.where(w != 0, 1.0 / tl.where(w != 0, w, 1.0), 0.0)
         if KEEP:
             slot = tl.load(slot_ptr + cols, mask=cmask, other=-1)
