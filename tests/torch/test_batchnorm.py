@@ -70,6 +70,14 @@ def test_no_input_grad(pool, world):
     check_case(case, pool.run(run_case, case))
 
 
+@pytest.mark.parametrize("sizes,frozen", [((4, 3), (0,)), ((3, 0, 2), (1,)), ((2, 3, 1), (0, 2))])
+def test_ranks_differ_in_whether_the_input_needs_a_gradient(pool, sizes, frozen):
+    """A rank whose input needs no gradient (the weight's only) still takes part in the
+    backward all-reduce; the others' input gradients are the single device's."""
+    case = Case(world=len(sizes), sizes=sizes, frozen_inputs=frozen, dtype="float64")
+    check_case(case, pool.run(run_case, case))
+
+
 def test_single_element_ranks(pool):
     """Every rank holds one element per channel; together they have enough."""
     case = Case(world=4, sizes=(1, 1, 0, 1), tail=(), dtype="float64")

@@ -107,7 +107,7 @@ def run_act_case(case: ActCase):
     chain = nn.Sequential(producer, module)
     result = {"steps": [], "formats_kept": True, "in_place": []}
     for i, (xs, dys) in enumerate(data["steps"]):
-        x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(base.input_grad)
+        x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(base.input_grad_on(rank))
         if i % 2 == 0:  # inplace=True: overwrites the fresh copy
             module.inplace = True
             y = chain(x)
@@ -118,7 +118,8 @@ def run_act_case(case: ActCase):
             result["in_place"].append(False)
             assert x.numel() == 0 or torch.equal(x.detach().double(), xs[rank]), "input was overwritten"
         # odd steps: the gradient of a product (the engine's own tensor), even: the caller's
-        backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, base.input_grad, through_product=i % 2 == 1)
+        backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, base.input_grad_on(rank),
+                            through_product=i % 2 == 1)
     result["buffers"] = {n: None if b is None else b.detach().double().clone() for n, b in module.named_buffers()}
     module.eval()
     result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
@@ -262,6 +263,13 @@ def test_no_input_grad(pool, world):
     check_act_case(case, pool.run(run_act_case, case))
 
 
+@pytest.mark.parametrize("activation,param", [("elu", 0.5), ("leaky_relu", 0.1)])
+def test_ranks_differ_in_whether_the_input_needs_a_gradient(pool, activation, param):
+    base = Case(world=3, sizes=(3, 0, 2), frozen_inputs=(1,), dtype="float64")
+    case = ActCase(base, activation, param, weight=(0.0, 1.0, -1.0), bias=(1.0, 0.0, 0.5))
+    check_act_case(case, pool.run(run_act_case, case))
+
+
 def test_single_element_ranks(pool):
     base = Case(world=4, sizes=(1, 1, 0, 1), tail=(), dtype="float64")
     case = ActCase(base, "leaky_relu", 0.1)
@@ -317,9 +325,11 @@ def test_one_collective_each_way(pool, world, zero_weights):
         assert r["backward"] == [("all_reduce", [[2 * channels + f]], ["float"])]
 
 
-def test_no_backward_collective_without_input_grad(pool):
-    for r in pool.run(count_job, 4, 6, False, "train", False):
-        assert len(r["forward"]) == 1 and r["backward"] == []
+def test_backward_collective_also_without_input_grad(pool):
+    channels, f = 6, fingerprint.SIZE
+    for r in pool.run(count_job, 4, channels, False, "train", False):
+        assert len(r["forward"]) == 1
+        assert r["backward"] == [("all_reduce", [[2 * channels + f]], ["float"])]
 
 
 def test_no_collective_in_eval_or_alone(pool):

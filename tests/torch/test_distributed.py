@@ -40,9 +40,14 @@ def test_one_collective_each_way_with_o_c_payload(pool, world):
         assert r["backward"] == [("all_reduce", [[bwd]], ["float"], 4 * bwd)]
 
 
-def test_no_backward_collective_without_input_grad(pool):
-    for r in pool.run(count_job, 4, 8, False, "train"):
-        assert len(r["forward"]) == 1 and r["backward"] == []
+def test_backward_collective_also_without_input_grad(pool):
+    """Whether a rank's input needs a gradient is its own fact: every rank whose backward
+    reaches the layer all-reduces, so that no rank waits for one that skipped."""
+    channels = 8
+    bwd = 2 * channels + fingerprint.SIZE
+    for r in pool.run(count_job, 4, channels, False, "train"):
+        assert len(r["forward"]) == 1
+        assert r["backward"] == [("all_reduce", [[bwd]], ["float"], 4 * bwd)]
 
 
 def test_no_collective_in_eval(pool):

@@ -48,8 +48,8 @@ the bytes BatchNorm + activation keep for C >= 16); should more channels need th
 inputs in some call, that step's check (when its backward pass ends, before any
 optimizer step) raises :class:`KeptChannelsOverflow` rather than let an inexact
 gradient through, on every rank alike: where the layer syncs, each rank's overflow rides
-in the backward all-reduce (one more value of its payload; ELU, whose choice is per rank,
-all-reduces even where its input needs no gradient) and the check reads the group's sum.
+in the backward all-reduce (one more value of its payload; made also where the rank's input
+needs no gradient, as in :class:`SyncBatchNorm`) and the check reads the group's sum.
 On the CPU, where the moments come from the centered input (:func:`syncbn.torch.stats.use_centered`),
 that centered input is normalized in place (exact where |mean| >> std); otherwise one more
 read of C flags on the CPU (no synchronisation there) picks how to normalize: the native
@@ -391,12 +391,12 @@ class _SyncBatchNormAct(torch.autograd.Function):
                 sum_dy_xhat.index_copy_(0, keep_idx, s2)
 
         dx = None
+        packed = torch.cat([sum_dy, sum_dy_xhat])
+        if ctx.syncing:  # also without an input gradient here (another rank may need one)
+            packed, _ = fingerprint.all_reduce_checked(
+                packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
+            )
         if need_x:
-            packed = torch.cat([sum_dy, sum_dy_xhat])
-            if ctx.syncing:
-                packed, _ = fingerprint.all_reduce_checked(
-                    packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
-                )
             total_dy, total_dy_xhat = packed[:channels], packed[channels:]
             if y.numel() == 0:
                 dx = torch.zeros_like(y)
@@ -430,10 +430,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
 # Where the layer syncs, the flag rides in the backward all-reduce (grad_payload writes the
 # rank's overflow after its sums, input_grad whether the group's sum is zero: no launch
 # more) and the check is on that sum, so every rank raises when any rank overflowed (its
-# inexact sums are in every rank's input gradient). ELU, whose choice is per rank, runs that
-# all-reduce even where the input needs no gradient (then three small torch ops read the
-# verdict and the flag: not the common case); identity/leaky_relu without an input gradient,
-# and any layer that does not sync, check the rank's own flag (the same on every rank).
+# inexact sums are in every rank's input gradient). A rank whose input needs no gradient
+# runs that all-reduce too (then three small torch ops read the verdict and the flag: not the
+# common case); a layer that does not sync checks the rank's own flag.
 # ELU's choice also depends on the data (each rank's own minimum and maximum per channel,
 # found by the moments kernel in its pass and used by the merge kernel: local to the rank,
 # like the CPU path's). Only for float32/float64 inputs: with half's budgets (2**3, 2**2)
@@ -496,13 +495,11 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
     if syncing:
         fingerprint.pending_verdict(summed[:size], group, tag, world, ok=ok)
     _check_count(summed[size], n, x.shape, device_side=True)
-    # Where the backward pass all-reduces (the layer syncs and the input needs a gradient;
-    # for ELU, whose choice is per rank, also without one), each rank's overflow rides in its
-    # payload and the check is on the group's sum: every rank raises alike. Elsewhere (no
-    # communication, or leaky_relu/identity without an input gradient: a choice that depends
-    # only on the weights, equal on every rank) the rank's own flag is checked.
+    # Where the backward pass all-reduces (the layer syncs and something needs a gradient),
+    # each rank's overflow rides in its payload and the check is on the group's sum: every
+    # rank raises alike. Without communication the rank's own flag is checked.
     grads = any(ctx.needs_input_grad[:3])
-    ctx.late = late = grads and syncing and (ctx.needs_input_grad[0] or elu)
+    ctx.late = late = grads and syncing
     ctx.fits = fits if capacity >= 0 and late else None
     ctx.overflow = None
     if grads:
@@ -554,25 +551,21 @@ def _triton_backward(ctx, dy):
         payload = torch.cat([fixed, stats.constant(stats._filled, (0.0, 2 * channels + 1), cdtype, device)])
         dw = torch.zeros(channels, dtype=wdtype, device=device)
         db = torch.zeros(channels, dtype=bdtype, device=device)
-    dx = None
+    dx = ok = fit = None
     flag = fingerprint.SIZE + 2 * y.shape[1]  # the summed overflow (grad_payload's last value)
+    # a syncing rank all-reduces also without an input gradient of its own (another rank may
+    # need one; see functional._SyncBatchNorm.backward)
+    summed = distributed.all_reduce_sum(payload, ctx.group) if ctx.syncing else payload
     if need_x:
-        summed = distributed.all_reduce_sum(payload, ctx.group) if ctx.syncing else payload
-        ok = fit = None
         if y.numel():
             dx, ok, fit = kernels.input_grad(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, summed, count,
                                              agree, ctx.mode, y.dtype)
         else:
             dx = torch.zeros_like(y)
-        if ctx.syncing:
-            fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True,
-                                        ok=ok)
-        if ctx.late:  # every rank the same verdict on the group's overflow (an empty rank: one op)
-            fingerprint.defer(torch.eq(summed[flag], 0) if fit is None else fit, ctx.overflow)
-    elif ctx.late:  # ELU without an input gradient: the all-reduce anyway, for the group's overflow
-        summed = distributed.all_reduce_sum(payload, ctx.group)
-        fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True)
-        fingerprint.defer(torch.eq(summed[flag], 0), ctx.overflow)
+    if ctx.syncing:
+        fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True, ok=ok)
+    if ctx.late:  # every rank the same verdict on the group's overflow (an empty rank: one op)
+        fingerprint.defer(torch.eq(summed[flag], 0) if fit is None else fit, ctx.overflow)
     if ctx.syncing:
         fingerprint.end_step(ctx.group)
     else:  # the kept-channel check of the forward (fingerprint.defer) when this pass ends

@@ -16,8 +16,9 @@ On CUDA the work is done by the Triton kernels of :mod:`syncbn.torch.kernels` wh
 Triton is installed (four kernels forward, three backward, no host read), else by
 torch's ops (:mod:`syncbn.torch.stats`, the CUDA path).
 
-One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (none when
-the input needs no gradient), whatever the world size; each also carries the call's
+One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (made by
+every rank whose backward reaches the layer, also where its own input needs no gradient:
+ranks need not agree on that), whatever the world size; each also carries the call's
 fingerprint (18 values, :mod:`syncbn.torch.fingerprint`), so ranks in different layer calls
 raise instead of mixing statistics. Not distributed, a group of
 one, or not training: exactly ``torch.nn.functional.batch_norm``.
@@ -200,6 +201,10 @@ class _SyncBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # Every rank whose backward reaches this layer takes part in its all-reduce, also
+        # where its own input needs no gradient (only the weight's, say): whether the input
+        # needs one is each rank's own fact, and a rank that skipped the collective while
+        # another made it would leave the group waiting or pair the next collectives wrongly.
         refuse_create_graph("SyncBatchNorm")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.triton:
@@ -226,10 +231,10 @@ class _SyncBatchNorm(torch.autograd.Function):
         sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))
 
         dx = None
+        channels = x.shape[1]
+        packed = torch.cat([sum_dy, sum_dy_xmu])
+        packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
         if need_x:
-            channels = x.shape[1]
-            packed = torch.cat([sum_dy, sum_dy_xmu])
-            packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
             global_dy, global_dy_xhat = packed[:channels], packed[channels:] * invstd
             if x.numel() == 0:
                 dx = torch.zeros_like(x)
@@ -283,17 +288,22 @@ def _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     return stats.affine(centered, rest, scale, shift, out=centered).to(x.dtype), mean_c, invstd, count
 
 
-def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy: Tensor, sum_dy_xmu: Tensor, cuda: bool):
+def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy: Tensor, sum_dy_xmu: Tensor, cuda: bool,
+                       need_x: bool = True):
     """The input gradient from this rank's backward sums ``(sum dy, sum dy (x - mean))``,
     summed over the group with the backward fingerprint in front (one all-reduce); the
     verdict read at once on the CPU, left on the device on the CUDA path. Every path sends
     these two sums (the CUDA kernels' own; the others convert from ``sum dy xhat``), so
-    ranks on different paths (one compiled, one eager) sum alike."""
+    ranks on different paths (one compiled, one eager) sum alike. Without ``need_x``
+    (this rank's input needs no gradient) the rank still takes part and returns None:
+    see :class:`_SyncBatchNorm`'s backward."""
     fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, sum_dy.device)
     size, channels = fixed.shape[0], sum_dy.shape[0]
     packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xmu]), ctx.group)
     verdict = fingerprint.pending_verdict if cuda else fingerprint.check_now
     verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+    if not need_x:
+        return None
     if x.numel() == 0:
         return torch.zeros_like(x)
     total_dy, total_dy_xmu = packed[size:size + channels], packed[size + channels:]
@@ -309,7 +319,7 @@ def _ones_like(invstd: Tensor) -> Tensor:
 
 def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_b):
     sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))  # sum dy (x - mean)
-    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, False) if need_x else None
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, False, need_x)
     dw = (sum_dy_xmu * invstd).to(weight.dtype) if need_w else None
     db = sum_dy.to(ctx.bias_dtype) if need_b else None
     return dx, dw, db
@@ -350,7 +360,7 @@ def _cuda_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need
         db = torch.zeros(channels, dtype=ctx.bias_dtype, device=x.device) if need_b else None
     else:
         sum_dy, sum_dy_xmu, dw, db = stats.cuda_backward_reduce(dy, x, mean, invstd, weight, need_w, need_b)
-    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, True) if need_x else None
+    dx = _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy, sum_dy_xmu, True, need_x)
     dw = None if dw is None else dw.to(weight.dtype)
     db = None if db is None else db.to(ctx.bias_dtype)
     return dx, dw, db
@@ -415,9 +425,9 @@ def _triton_backward(ctx, dy, x, weight, need_x, need_w, need_b):
         dw = torch.zeros(channels, dtype=wdtype, device=device)
         db = torch.zeros(channels, dtype=bdtype, device=device)
     dx = None
+    summed = distributed.all_reduce_sum(payload, ctx.group)  # with or without need_x: see backward
+    size = fixed.shape[0]
     if need_x:
-        summed = distributed.all_reduce_sum(payload, ctx.group)
-        size = fixed.shape[0]
         if x.numel():
             agree = fingerprint.agreeing_values(ctx.tag, ctx.world, cdtype, device)
             dx, ok = kernels.input_grad(dy, x, stats_c, scalars, weight, None, None, None, summed, count, agree, 0,
@@ -426,6 +436,8 @@ def _triton_backward(ctx, dy, x, weight, need_x, need_w, need_b):
         else:
             fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
             dx = torch.zeros_like(x)
+    else:
+        fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
     return dx, dw if need_w else None, db if need_b else None
 
 
