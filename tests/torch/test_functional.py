@@ -82,6 +82,26 @@ def test_bad_dims_raise_before_any_collective(pool):
     assert [r[0] for r in pool.run(error_job, 4, (2, 2, 2, 2), (2,))] == ["ok"] * 4
 
 
+def momentum_job(world, momentum):
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    x = torch.randn(3, 2, 4)
+    try:
+        sync_batch_norm(x, torch.zeros(2), torch.ones(2), training=True, momentum=momentum, process_group=group)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("momentum", [None, "0.1", torch.tensor([0.1, 0.2])])
+def test_a_momentum_no_batch_norm_takes_is_named_on_every_rank(pool, momentum):
+    """As F.batch_norm refuses it, before any collective (the group stays usable)."""
+    for message in pool.run(momentum_job, 2, momentum)[:2]:
+        assert message is not None and "momentum" in message, message
+    assert pool.run(momentum_job, 2, torch.tensor(0.1, dtype=torch.float64))[:2] == [None, None]
+
+
 # ---- the CUDA path, run on the CPU with its device-dependent choices forced ------------
 
 

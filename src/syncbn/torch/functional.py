@@ -34,6 +34,7 @@ graph.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -480,6 +481,7 @@ def sync_batch_norm(
     buffers alone, so they are updated once per step, as without checkpointing.
     """
     check_input(input, None if running_mean is None else running_mean.shape[0])
+    _check_momentum(momentum)
     if training and recomputing():  # activation checkpointing: the buffers moved already
         running_mean = None if running_mean is None else running_mean.clone()
         running_var = None if running_var is None else running_var.clone()
@@ -490,6 +492,18 @@ def sync_batch_norm(
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
+
+
+def _check_momentum(momentum) -> None:
+    """A clear error for a momentum no batch norm takes (before any collective: it depends
+    only on the call, alike on every rank running the same code)."""
+    if isinstance(momentum, Tensor):
+        if momentum.numel() != 1 or not momentum.is_floating_point():
+            raise TypeError(f"sync_batch_norm: a tensor momentum must hold one floating-point value, got "
+                            f"shape {tuple(momentum.shape)} and dtype {momentum.dtype}")
+    elif not isinstance(momentum, numbers.Real):
+        raise TypeError(f"sync_batch_norm: momentum must be a float (or a one-value tensor), got "
+                        f"{type(momentum).__name__}; for a cumulative average pass 1 / num_batches_tracked")
 
 
 @distributed.eager_unless_traceable
