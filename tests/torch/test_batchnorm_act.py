@@ -1052,6 +1052,55 @@ def test_group1_inplace_true_writes_over_declared_to_autograd():
 
 
 @pytest.mark.parametrize("path,activation,param", [
+    ("local", "leaky_relu", 0.1), ("general", "leaky_relu", 0.1), ("general", "elu", 1.0),
+])
+@pytest.mark.parametrize("kind", ["leaf", "view of a leaf"])
+def test_inplace_refuses_a_leaf_before_writing_over_it(monkeypatch, path, activation, param, kind):
+    """inplace=True on a leaf that requires grad (or a view of one) raises torch's error
+    as LeakyReLU(inplace=True) does, with the tensor's values untouched; the running
+    statistics move, as they do for BatchNorm followed by the in-place activation."""
+    if path == "general":
+        monkeypatch.setattr(batchnorm_act, "_local_kernels_fit", lambda *args: False)
+    layer = _layer(activation, param, inplace=True)
+    base = (torch.randn(3, 4, 5, 2) + 0.5).requires_grad_()
+    before = base.detach().clone()
+    x = base if kind == "leaf" else base[1:]
+    with pytest.raises(RuntimeError, match=f"SyncBatchNormAct.inplace=True.: a {kind} Variable"):
+        layer(x)
+    assert torch.equal(base.detach(), before), "the leaf was written over before the error"
+    assert int(layer.num_batches_tracked) == 1
+    with torch.no_grad():  # no autograd to refuse it: written over
+        y = layer(x)
+    assert y.data_ptr() == x.data_ptr()
+
+
+def leaf_job(world):
+    """Every rank hands an in-place layer a leaf: each raises after the forward collective,
+    so the next call pairs up with the others' and nothing waits."""
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    layer = syncbn.SyncBatchNormAct(4, "leaky_relu", 0.1, inplace=True, process_group=group)
+    x = (torch.randn(2 + dist.get_rank(), 4, 3) + 1).requires_grad_()
+    before = x.detach().clone()
+    try:
+        layer(x)
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    untouched = torch.equal(x.detach(), before)
+    y = layer(x * 1)
+    y.sum().backward()
+    return {"raised": raised, "untouched": untouched, "grad": bool(torch.isfinite(x.grad).all())}
+
+
+def test_inplace_leaf_refused_alike_on_every_rank(pool):
+    for r in pool.run(leaf_job, 2)[:2]:
+        assert r["raised"] is not None and "a leaf Variable" in r["raised"]
+        assert r["untouched"] and r["grad"]
+
+
+@pytest.mark.parametrize("path,activation,param", [
     ("local", "leaky_relu", 0.1), ("general", "leaky_relu", 0.1), ("general", "elu", 1.0), ("general", "identity", 0.01),
 ])
 def test_group1_incoming_gradient_is_never_overwritten(monkeypatch, path, activation, param):

@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -768,6 +769,20 @@ def _eval_buffers(running_mean, running_var, needs_grad: bool):
             None if running_var is None else running_var.clone())
 
 
+def _in_place_refusal(x: Tensor) -> Optional[str]:
+    """torch's reason to refuse an in-place write to ``x`` under autograd (a leaf that
+    requires grad, or a view of one), else None: checked before anything is written,
+    since the Function's ``mark_dirty`` would refuse only after the output is over ``x``."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    if x.is_leaf:
+        return "a leaf Variable that requires grad is being used in an in-place operation."
+    base = x._base  # a view's base tensor (None for a tensor that owns its storage)
+    if base is not None and base.is_leaf and base.requires_grad:
+        return "a view of a leaf Variable that requires grad is being used in an in-place operation."
+    return None
+
+
 @distributed.eager_unless_traceable
 def _synchronized(layer, input, running_mean, running_var, momentum, syncing: bool, inplace: bool):
     """The layer's general call: its fingerprint (when it communicates) and the function."""
@@ -874,15 +889,26 @@ class SyncBatchNormAct(_SyncNormBase):
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         inplace = self.inplace and input.is_contiguous(memory_format=stats.memory_format(input))
+        refusal = _in_place_refusal(input) if inplace else None
+        if refusal is not None:  # computed out of place (every rank's collective runs), then refused
+            inplace = False
         if not syncing and not _takes_kernels(input, self.activation) and _local_kernels_fit(
                 input, self.weight, self.bias, self.activation, self.activation_param, self.eps):
             if isinstance(momentum, Tensor):
                 momentum = float(momentum)
-            return _LocalBatchNormAct.apply(
+            out = _LocalBatchNormAct.apply(
                 input, self.weight, self.bias, running_mean, running_var, self.eps, momentum,
                 self.activation, self.activation_param, inplace,
             )
-        return _synchronized(self, input, running_mean, running_var, momentum, syncing, inplace)
+        else:
+            out = _synchronized(self, input, running_mean, running_var, momentum, syncing, inplace)
+        if refusal is not None:
+            raise RuntimeError(
+                f"SyncBatchNormAct(inplace=True): {refusal} The input is left unchanged (the running "
+                "statistics moved, as with BatchNorm followed by an in-place activation). Pass the "
+                "layer a computed tensor, or set inplace=False."
+            )
+        return out
 
     def extra_repr(self) -> str:
         text = f"{self.num_features}, activation={self.activation!r}"
