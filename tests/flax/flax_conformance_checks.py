@@ -555,6 +555,80 @@ def float64_synchronized_matches_oracle():
     return synchronized_matches_oracle(pairs, TOL["float64"], 300)
 
 
+# Half-precision statistics (force_float32_reductions=False) are the exact statistics of
+# the half-precision input rounded once to that dtype: relative error u = 2**-11
+# (float16) or 2**-8 (bfloat16), plus the float32 accumulation of the local sums, about
+# sqrt(n) * 2**-24 ~ 2e-5 for the 7e4 terms below (negligible beside u), so 2u. The output
+# and dx carry that rounding of mean and variance (rstd: u / 2), the half-precision
+# subtraction x - mean, rsqrt, product and the final rounding: about 5u of |y| (or |dx|),
+# so 6u in the scaled error |got - want| / (1 + |want|).
+HALF_U = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def half_case(x_name, param_dtype, x, axis_name):
+    """The linen layer with half-precision statistics on ``x`` (pmapped over the leading
+    axis with ``axis_name``, else one global call) against the float64 oracle on the
+    rounded input and flax.linen.BatchNorm's dtypes: the scaled errors of y, dx and the
+    batch statistics (momentum 0: the running statistics are the batch's)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    kw = dict(use_running_average=False, force_float32_reductions=False, param_dtype=param_dtype, momentum=0.0)
+    ours, theirs = sf.BatchNorm(axis_name=axis_name, **kw), nn.BatchNorm(use_fast_variance=False, **kw)
+    rows = x.reshape(-1, x.shape[-1])
+    variables = theirs.init(jax.random.PRNGKey(0), rows)
+    dy = jnp.asarray(np.random.default_rng(5).standard_normal(x.shape), x.dtype)
+
+    def step(x):
+        y, upd = ours.apply(variables, x, mutable=["batch_stats"])
+        return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+    f = jax.pmap(step, axis_name=axis_name, devices=jax.devices()[:x.shape[0]]) if axis_name else step
+    (y, mean, var), pullback = jax.vjp(f, x)
+    (dx,) = pullback((dy.astype(y.dtype), jnp.zeros_like(mean), jnp.zeros_like(var)))
+    want_y, want_upd = theirs.apply(variables, rows, mutable=["batch_stats"])
+    assert y.dtype == want_y.dtype and dx.dtype == x.dtype, (x_name, y.dtype, want_y.dtype, dx.dtype)
+    assert (mean.dtype, var.dtype) == (want_upd["batch_stats"]["mean"].dtype, want_upd["batch_stats"]["var"].dtype)
+    if axis_name:  # every device holds the same statistics
+        mean, var = mean[0], var[0]
+    channels = rows.shape[-1]
+    (ry, rmean, rvar), (rdx, _, _) = reference_vjp(
+        np.asarray(rows.astype(jnp.float32)), np.asarray(variables["params"]["scale"], np.float32),
+        np.asarray(variables["params"]["bias"], np.float32), None, -1, 1e-5, 0.0, np.zeros(channels),
+        np.ones(channels), (np.asarray(dy.astype(jnp.float32)).reshape(rows.shape), np.zeros(channels),
+                            np.zeros(channels)))
+    u = HALF_U[x_name]
+    label = f"{x_name} param_dtype={jnp.dtype(param_dtype).name} shape={x.shape} axis_name={axis_name}"
+    return {"y": assert_close(f"{label} y", np.asarray(y, np.float32).reshape(rows.shape), ry, 6 * u),
+            "dx": assert_close(f"{label} dx", np.asarray(dx, np.float32).reshape(rows.shape), rdx, 6 * u),
+            "mean": assert_close(f"{label} mean", mean, rmean, 2 * u),
+            "var": assert_close(f"{label} var", var, rvar, 2 * u)}
+
+
+@check("x32")
+def half_statistics_accumulate_in_float32():
+    """force_float32_reductions=False with float16 and bfloat16 inputs (float32 or
+    half-precision parameters): the statistics keep Flax's half dtype but their sums and
+    counts accumulate in float32, so nothing overflows float16's 65504 — sum((x - m)**2)
+    of 256 elements of std 30 per device under pmap, the count of 70000 elements per
+    group in a global call (the forward's and the backward's) — and y, dx and the
+    statistics match the float64 oracle within the half precision's rounding."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(41)
+    info = {}
+    for x_name in ("float16", "bfloat16"):
+        for param_dtype in (jnp.float32, jnp.dtype(x_name)):
+            wide = jnp.asarray(rng.normal(0.5, 30.0, (DEVICES, 256, 4)), x_name)
+            long = jnp.asarray(rng.normal(0.5, 1.0, (DEVICES * 70000, 2)), x_name)
+            for x, axis_name in ((wide, AXIS), (long, None)):
+                errs = half_case(x_name, param_dtype, x, axis_name)
+                info[f"{x_name} {jnp.dtype(param_dtype).name} {x.shape}"] = worst(errs.values())
+    return info
+
+
 # ----------------------------------------------------------------------------- Flax's tests
 
 

@@ -77,6 +77,12 @@ def stats_dtype(x_dtype, force_float32: bool = True):
     return jax.dtypes.canonicalize_dtype(dtype)  # float64 is float32 without jax_enable_x64
 
 
+def accum_dtype(dtype):
+    """The dtype local sums are accumulated in: ``dtype`` promoted to at least ``float32``
+    (``float16``/``bfloat16`` become ``float32``; ``float64`` and complex stay)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def is_complex(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.complexfloating)
 
@@ -206,9 +212,23 @@ def _masked(values, mask):
 
 def local_moments(x, mask, groups: Groups, dtype):
     """Per group, group axis first: ``(n, first guess m1, a = sum(x - m1), b = sum((x - m1)**2))``
-    for ``x`` and ``mask`` of the split shape (:meth:`Groups.split`)."""
+    for ``x`` and ``mask`` of the split shape (:meth:`Groups.split`).
+
+    ``x`` is rounded to the statistics dtype ``dtype`` (the values Flax takes the
+    statistics of), then every sum and the count are accumulated in :func:`accum_dtype`,
+    at least ``float32`` whatever ``dtype`` is: a ``float16`` sum would overflow past
+    65504 (``b`` for a few hundred elements of std 30; the count past 65504 elements)
+    and a ``bfloat16`` one keeps 8 bits. In ``float32`` the sums of ``n`` terms carry a
+    relative error of at most about ``n * 2**-24`` of the sum of magnitudes (sequential
+    bound; XLA's tree reductions give ``log2(n) * 2**-24``), which for ``b`` (all terms
+    positive) is relative to ``M2`` itself, and the count is exact below ``2**24``
+    elements per group. The statistics are then rounded once to ``dtype`` (half a
+    unit in its last place: ``2**-11`` for ``float16``, ``2**-8`` for ``bfloat16``), so
+    with ``force_float32_reductions=False`` the half-precision mean and variance are the
+    exactly computed statistics of the half-precision input, rounded once."""
     axes = groups.inner
-    xs = cast(x, dtype)
+    acc = accum_dtype(dtype)
+    xs = cast(cast(x, dtype), acc)
     total = jnp.sum(_masked(xs, mask), axis=axes)
     if mask is None:
         n = jnp.full(total.shape, math.prod(x.shape[ax] for ax in axes), jnp.int32)
@@ -224,9 +244,9 @@ def local_moments(x, mask, groups: Groups, dtype):
     # 23 bits would be dropped by XLA as a no-op). The center only needs to be near the
     # mean: 2**-21 * |mean| is 5e-3 std at |mean|/std = 1e4, which costs M2 = b - a**2 / n
     # a factor 1 + 3e-5 of its float32 rounding. A complex center: each part alike.
-    info = jnp.finfo(dtype)  # 20 of float32's 23 bits (float64: 49 of 52), its full range
+    info = jnp.finfo(acc)  # 20 of float32's 23 bits (float64: 49 of 52), its full range
     m1 = from_parts([lax.reduce_precision(p, exponent_bits=info.nexp, mantissa_bits=info.nmant - 3)
-                     for p in parts(total / jnp.maximum(n, 1).astype(real_dtype(dtype)))])
+                     for p in parts(total / jnp.maximum(n, 1).astype(real_dtype(acc)))])
     d = _masked(xs - jnp.expand_dims(m1, axes), mask)
     a = jnp.sum(d, axis=axes)
     b = jnp.sum(abs_sq(d), axis=axes)

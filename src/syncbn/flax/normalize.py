@@ -32,6 +32,9 @@ used as a complex one). For a real input every ``conj`` and ``Re`` is the identi
 this is the formula above. The output is computed in the statistics dtype promoted with
 the parameters' (as Flax's ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` promotes)
 and cast to ``Config.out_dtype``; a complex value cast to a real dtype keeps its real part.
+The backward runs in that dtype promoted to at least ``float32`` (its sums and ``1 / N``
+too, as the forward's: see :func:`syncbn.flax.moments.local_moments`), and ``dx`` is
+rounded once to the input's dtype.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .moments import (Groups, Moments, axis_names, cast, cross_device_sum, is_complex, is_tracked, union_moments,
-                      valid_mask, varying_axes)
+from .moments import (Groups, Moments, accum_dtype, axis_names, cast, cross_device_sum, is_complex, is_tracked,
+                      real_dtype, union_moments, valid_mask, varying_axes)
 
 
 class Config(NamedTuple):
@@ -139,18 +142,22 @@ def _batch_norm_bwd(config, residuals, cotangents):
     x, scale, bias, mask, mom = residuals
     dy, g_mean, g_var = cotangents
     dtype = config.stats_dtype
-    work = _work_dtype(config, scale, bias)
+    # at least float32, as the forward's sums (moments.local_moments): with half-precision
+    # statistics (force_float32_reductions=False) a float16 count is inf past 65504
+    # elements and a float16 sum of dy overflows alike
+    work = accum_dtype(_work_dtype(config, scale, bias))
     axes = config.reduction_axes
     names = axis_names(config.axis_name)
     tracked = is_tracked(x, config.axis_name)
     synced = bool(names)
     valid = valid_mask(x, mask)
 
-    mean = jnp.expand_dims(mom.mean, axes)
-    rstd = _rstd(mom, config)
+    wide = accum_dtype(dtype)
+    mean = jnp.expand_dims(mom.mean.astype(wide), axes)
+    rstd = _rstd(mom._replace(var=mom.var.astype(real_dtype(wide))), config)
     rstd_b = jnp.expand_dims(rstd, axes)
     gamma, _ = _params(x, scale, None, config, work)
-    xhat = (cast(x, dtype) - mean) * rstd_b
+    xhat = (cast(cast(x, dtype), wide) - mean) * rstd_b
     dy = cast(dy, work)
     # per-group sums (one group per device with axis_name; see moments.Groups), summed below
     groups = Groups.of(x, axes, config.axis_name)
