@@ -118,6 +118,19 @@ def test_act_grid_on_kernels_matches_oracle(triton_pool, case):
     check_act_case(case, results)
 
 
+@pytest.mark.parametrize("path", ["triton", "cuda"])
+@pytest.mark.parametrize("activation", [None, "leaky_relu", "elu"])
+def test_ranks_differ_in_whether_the_input_needs_a_gradient(triton_pool, path, activation):
+    """A rank whose input needs no gradient still makes the backward all-reduce on the
+    kernels and the torch-op CUDA path (else the others wait, or gloo pairs wrongly)."""
+    base = Case(world=3, sizes=(3, 2, 0), frozen_inputs=(1,), channels=4, dtype="float32", steps=2, seed=5)
+    if activation is None:
+        check_case(base, triton_pool.run(kernel_case_job, base, path))
+    else:
+        case = ActCase(base, activation, 0.1 if activation == "leaky_relu" else 1.0)
+        check_act_case(case, triton_pool.run(kernel_case_job, case, path))
+
+
 def test_half_elu_takes_the_torch_op_path(triton_pool):
     """float16/bfloat16 ELU keeps nearly every channel's input under half's budgets (more
     than the kernels' buffer holds): it takes the torch-op path, no kernel launched."""
