@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_harness import block_torch, registry, run_checks
 from flax_oracle import assert_close, reference_vjp
+from nan_safe import worst
 
 DEVICES = 4
 AXIS = "d"
@@ -664,6 +665,87 @@ def linen_convert_context():
     differs = not np.allclose(np.asarray(outside[0]), np.asarray(want[0]), atol=1e-3)
     assert differs, "outside the context the layers must be Flax's (per-device statistics)"
     return {}
+
+
+@check
+def linen_convert_keeps_subclass_code():
+    """A user subclass of flax.linen.BatchNorm whose __call__ adds code around
+    super().__call__ (a ReLU and a shift), plain and under nn.remat, converted (model
+    form and context form) and run under pmap: its own code still runs and only Flax's
+    computation is synchronized, so it equals the same subclass built on
+    syncbn.flax.BatchNorm(axis_name=...), outputs and running statistics. A subclass
+    whose __call__ never calls flax.linen.BatchNorm.__call__ cannot be synchronized:
+    converting it raises TypeError naming the class, in both forms."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    def with_relu(base):
+        class BNRelu(base):
+            @nn.compact
+            def __call__(self, x, use_running_average=None):
+                return nn.relu(super().__call__(x, use_running_average)) - 0.25
+
+        return BNRelu
+
+    class OwnStats(nn.BatchNorm):  # normalizes by itself: nothing for convert to replace
+        @nn.compact
+        def __call__(self, x, use_running_average=None):
+            return (x - x.mean(0)) / (x.std(0) + self.epsilon)
+
+    class Net(nn.Module):
+        bn: type
+        remat: bool = False
+        axis_name: str = None
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(3)(x)
+            layer = nn.remat(self.bn) if self.remat else self.bn
+            return layer(use_running_average=False, axis_name=self.axis_name)(x)
+
+    rng = np.random.default_rng(17)
+    x = jnp.asarray(rng.standard_normal((DEVICES, 6, 3)) * 2 + np.arange(DEVICES)[:, None, None], jnp.float32)
+
+    def run(model, variables):
+        return jax.pmap(lambda x: model.apply(variables, x, mutable=["batch_stats"]), axis_name=AXIS)(x)
+
+    info = {}
+    for remat in (False, True):
+        plain = Net(with_relu(nn.BatchNorm), remat)
+        variables = plain.init(jax.random.PRNGKey(2), x[0])
+        want = run(Net(with_relu(sf.BatchNorm), remat, AXIS), variables)
+        outside = run(plain, variables)
+        for form, got in (("model", lambda: run(sf.convert(plain, axis_name=AXIS), variables)),
+                          ("context", lambda: run(plain, variables))):
+            if form == "context":
+                with sf.convert(axis_name=AXIS):
+                    got = got()
+            else:
+                got = got()
+            assert float(jnp.min(got[0])) == -0.25, (remat, form, "the subclass's ReLU and shift did not run")
+            errors = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, want))
+            # the same float32 computation in the same order: equal up to a few roundings
+            assert worst(errors) <= 1e-5, (remat, form, errors)
+            info[f"remat={remat} {form}"] = worst(errors)
+        # without the conversion the statistics are per device: the comparison can tell
+        assert not np.allclose(np.asarray(outside[0]), np.asarray(want[0]), atol=1e-3)
+
+    plain = Net(OwnStats)
+    variables = plain.init(jax.random.PRNGKey(2), x[0])
+    for form in ("model", "context"):
+        try:
+            if form == "model":
+                run(sf.convert(plain, axis_name=AXIS), variables)
+            else:
+                with sf.convert(axis_name=AXIS):
+                    run(plain, variables)
+        except TypeError as err:
+            assert "OwnStats" in str(err) and "super().__call__" in str(err), str(err)
+        else:
+            raise AssertionError(f"{form}: a subclass that never calls BatchNorm.__call__ was left unsynchronized")
+    return info
 
 
 @check

@@ -13,6 +13,10 @@ Linen modules are immutable dataclasses, so :func:`convert` returns a new module
 method=...)`` reaches the original's methods. While it runs, every
 ``flax.linen.BatchNorm.__call__`` inside it (compact or setup style, at any depth, in
 ``init`` and ``apply``) computes syncbn's synchronized statistics on that very layer.
+A subclass of ``flax.linen.BatchNorm`` keeps its own ``__call__``: what it adds runs as
+written, and only its ``super().__call__(...)`` (Flax's computation) is synchronized; a
+subclass whose ``__call__`` never calls ``flax.linen.BatchNorm.__call__`` is an error
+(``TypeError`` naming it), not left unsynchronized.
 
 The older form, ``with syncbn.flax.convert(axis_name="batch"):`` around the calls, still
 works (see :func:`synchronizing`); the model form is the recommended one, because the
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import types
 from typing import Any, NamedTuple
 
@@ -32,7 +37,7 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from .linen import linen_forward
+from .linen import BatchNorm, linen_forward
 from .normalize import freeze_groups
 
 __all__ = ["convert", "revert", "synchronizing", "Synchronized"]
@@ -49,12 +54,66 @@ class _Settings(NamedTuple):
 _SETTINGS = jax.make_user_context(None)
 
 
+# The methods whose body is the batch-norm computation that a conversion replaces. A user
+# subclass's own __call__ is not one of them: it runs as written, and its
+# super().__call__(...) is intercepted on its own (Flax runs the interceptors for every
+# wrapped method, the inherited one included), so only Flax's computation is replaced.
+_BATCH_NORM_CALLS = (inspect.unwrap(nn.BatchNorm.__call__), inspect.unwrap(BatchNorm.__call__))
+
+
+class _SubclassCalls(threading.local):
+    """The subclass ``__call__``s in progress on this thread, innermost last, as
+    ``[module, reached]``: whether that call reached one of ``_BATCH_NORM_CALLS`` on
+    that very module."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_SUBCLASS_CALLS = _SubclassCalls()
+
+
+def _is_batch_norm_call(context) -> bool:
+    method = context.orig_method  # Flax passes functools.partial(function, module)
+    return inspect.unwrap(getattr(method, "func", method)) in _BATCH_NORM_CALLS
+
+
+def _subclass_call(module, next_fun, args, kwargs):
+    """A ``BatchNorm`` subclass's own ``__call__``, run as written; an error if it never
+    reached the batch-norm computation on itself (nothing convert could synchronize)."""
+    entry = [module, False]
+    _SUBCLASS_CALLS.stack.append(entry)
+    try:
+        out = next_fun(*args, **kwargs)
+    finally:
+        _SUBCLASS_CALLS.stack.pop()
+    if not entry[1]:
+        cls = type(module)
+        path = "/".join(str(p) for p in module.path) if module.scope is not None else "?"
+        raise TypeError(
+            f"syncbn.flax.convert: {cls.__module__}.{cls.__qualname__} (at '{path}') subclasses "
+            f"flax.linen.BatchNorm and its __call__ did not call flax.linen.BatchNorm.__call__, so "
+            f"convert cannot synchronize its statistics (left as it is, it would run unsynchronized). "
+            f"Compute the normalization with super().__call__(x, ...) in its __call__, or derive it from "
+            f"syncbn.flax.BatchNorm and pass axis_name.")
+    return out
+
+
 def _intercept(next_fun, args, kwargs, context):
     settings = _SETTINGS.value  # the innermost conversion wins
-    if settings is None or context.method_name != "__call__" or not isinstance(context.module, nn.BatchNorm):
+    module = context.module
+    if settings is None or not isinstance(module, nn.BatchNorm):
         return next_fun(*args, **kwargs)
-    return linen_forward(context.module, *args, axis_name=settings.axis_name,
-                         axis_index_groups=settings.axis_index_groups, **kwargs)
+    if _is_batch_norm_call(context):
+        for entry in reversed(_SUBCLASS_CALLS.stack):
+            if entry[0] is module:
+                entry[1] = True
+                break
+        return linen_forward(module, *args, axis_name=settings.axis_name,
+                             axis_index_groups=settings.axis_index_groups, **kwargs)
+    if context.method_name == "__call__":
+        return _subclass_call(module, next_fun, args, kwargs)
+    return next_fun(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -64,7 +123,9 @@ def synchronizing(axis_name: Any = None, axis_index_groups: Any = None):
     layers' own when given). It does exactly two things, both undone on exit:
 
     - registers a ``flax.linen.intercept_methods`` interceptor that runs syncbn's forward
-      on each intercepted ``BatchNorm`` (same module, scope, variables and fields);
+      in place of each ``flax.linen.BatchNorm.__call__`` (same module, scope, variables
+      and fields); a subclass's own ``__call__`` runs as written around its
+      ``super().__call__``, and one that never reaches it raises ``TypeError``;
     - sets a JAX user context (``jax.make_user_context``) holding the settings, which
       ``jax.jit``/``jax.pmap`` include in their cache keys: a function traced outside
       is traced again inside (never reused unsynchronized), a function traced inside is
