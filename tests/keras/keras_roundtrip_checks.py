@@ -358,6 +358,64 @@ def backbone_class():
     return Backbone
 
 
+def unregistered_classes():
+    """A subclassed model with its own ``call`` and a Functional subclass, neither
+    registered with Keras (no file could name them, but ``convert`` copies them through
+    their own ``from_config``). Each names its layers and saves its own name, so that a
+    copy rebuilt through the constructor has the original's layer names and paths."""
+    import keras
+
+    class Tower(keras.Model):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+            self.dense = keras.layers.Dense(units, name="dense")
+            self.norm = keras.layers.BatchNormalization(momentum=0.6, name="norm")
+
+        def call(self, x, training=None):
+            return self.norm(self.dense(x), training=training)
+
+        def get_config(self):
+            return {"units": self.units, "name": self.name}
+
+    class Trunk(keras.Model):
+        def __init__(self, width, **kwargs):
+            inputs = keras.Input((3,), name="features")
+            x = keras.layers.Dense(width, name="trunk_dense")(inputs)
+            outputs = keras.layers.BatchNormalization(epsilon=1e-2, name="trunk_norm")(x)
+            super().__init__(inputs, outputs, **kwargs)
+            self.width = width
+
+        def get_config(self):
+            return {"width": self.width, "name": self.name}
+
+    return Tower, Trunk
+
+
+@check
+def revert_unregistered_subclasses():
+    """``revert(convert(model))`` works wherever ``convert`` does: a converted subclass
+    copies itself from the original class it was made from, not from a lookup of that
+    class's name, so classes Keras cannot find by name come back field by field (and
+    ``convert`` of the converted copy works too)."""
+    from syncbn.keras import convert
+
+    rng = np.random.default_rng(38)
+    Tower, Trunk = unregistered_classes()
+    tower = Tower(3, name="tower")
+    tower(rng.standard_normal((5, 4)).astype(np.float32))
+    back = assert_round_trip(tower, "unregistered subclassed model", 1, rng)
+    assert type(back) is Tower and back.units == 3, type(back)
+    trunk = Trunk(3, name="trunk")
+    back = assert_round_trip(trunk, "unregistered Functional subclass", 1, rng)
+    assert type(back) is Trunk and back.width == 3, type(back)
+    for model in (tower, trunk):
+        twice = convert(convert(model))
+        assert kinds(twice) == (0, 1), (model.name, kinds(twice))
+        assert [w.path for w in twice.weights] == [w.path for w in model.weights], model.name
+    return {"models": 2}
+
+
 @check
 def revert_sequential():
     """A Sequential model, built (with an Input) and unbuilt (no Input, never called),

@@ -72,9 +72,13 @@ def revert(model):
     ``from_config``, layers held by custom layers), replaces only layers of exactly
     :class:`SyncBatchNormalization` (a subclass of it is kept and named in a warning)
     and leaves ``model`` untouched. ``revert(convert(model))`` has the original's
-    layer classes, configurations, layer names, weight paths and weight values
-    (``synchronized=True`` of Keras's own layer, which ``convert`` replaces, comes
-    back as ``False``).
+    layer classes, configurations and weight values (``synchronized=True`` of Keras's
+    own layer, which ``convert`` replaces, comes back as ``False``), and its layer
+    names and weight paths, except where a subclass is rebuilt through its constructor
+    (a subclassed model, a Functional subclass, a custom layer holding batch norm
+    layers): there, as when loading it from a file, a layer its constructor does not
+    name, or the model itself when its config has no ``name``, is named afresh
+    (``dense_1`` for ``dense``). Name them to keep the names.
     """
     return _Swap.to_plain().run(model)
 
@@ -341,8 +345,10 @@ class Synchronized:
 
     @classmethod
     def from_config(cls, config):
-        # Keras's own lookup of the original class (registered name, then its module)
-        rebuilt = keras.saving.deserialize_keras_object(config["original"])
+        if cls is Synchronized:  # loading a file: Keras's lookup (registered name, then module)
+            rebuilt = keras.saving.deserialize_keras_object(config["original"])
+        else:  # copying a converted object: its class knows the original, registered or not
+            rebuilt = original_class(cls).from_config(config["original"]["config"])
         swap = _Swap.to_sync()
         swap.retype_within(rebuilt, set())
         if not isinstance(rebuilt, Synchronized):  # held no batch norm: still saves as converted
