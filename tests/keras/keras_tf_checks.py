@@ -1371,6 +1371,110 @@ def fit_under_a_strategy_keeps_off_xla():
     return {"steps": 2}
 
 
+def record_classes():
+    """A Functional subclass (the keras_hub pattern, whose layers ``convert`` retypes in
+    place), a subclassed model with its own ``call`` (whose layers a loaded file
+    retypes before they are built) and a Functional subclass that normalizes the batch
+    axis (which Keras's layer accepts for a fixed batch size and ours refuses)."""
+    import keras
+
+    @keras.saving.register_keras_serializable(package="syncbn_tf_records")
+    class Trunk(keras.Model):
+        def __init__(self, width, **kwargs):
+            inputs = keras.Input((4, 3), name="features")
+            x = keras.layers.Dense(width, name="dense")(inputs)
+            x = keras.layers.BatchNormalization(name="norm_a")(x)
+            outputs = keras.layers.BatchNormalization(axis=1, name="norm_b")(x)
+            super().__init__(inputs, outputs, **kwargs)
+            self.width = width
+
+        def get_config(self):
+            return {"width": self.width, "name": self.name}
+
+    @keras.saving.register_keras_serializable(package="syncbn_tf_records")
+    class Tower(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(3, name="dense")
+            self.norm = keras.layers.BatchNormalization(name="norm")
+
+        def call(self, x, training=None):
+            return self.norm(self.dense(x), training=training)
+
+    class BatchAxis(keras.Model):
+        def __init__(self, **kwargs):
+            inputs = keras.Input(batch_shape=(2, 4, 3))
+            super().__init__(inputs, keras.layers.BatchNormalization(axis=0)(inputs), **kwargs)
+
+        def get_config(self):
+            return {"name": self.name}
+
+    return Trunk, Tower, BatchAxis
+
+
+@check
+def every_synchronized_layer_keeps_a_verdict_record():
+    """Under MirroredStrategy(2), every built SyncBatchNormalization has its verdict
+    record (allow_xla and check_agreement find it) and keeps fit off XLA, registered
+    exactly once, however it came to be: constructed, swapped in by convert, retyped
+    in place by convert (a Functional subclass), and loaded from a .keras file of a
+    converted model (a Functional subclass; a subclassed model, whose layers are
+    retyped before they are built). A layer retyped in place goes through the build
+    checks: a batch norm of the batch axis is refused as SyncBatchNormalization
+    refuses it when built."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, allow_xla, check_agreement, convert
+    from syncbn.keras import layer as layer_module
+
+    Trunk, Tower, BatchAxis = record_classes()
+    registered = []  # every layer each time it registers (strong references: ids stay unique)
+    original = layer_module.SyncBatchNormalization._register
+
+    def register(self, channels):
+        registered.append(self)
+        return original(self, channels)
+
+    layer_module.SyncBatchNormalization._register = register
+    try:
+        rng = np.random.default_rng(40)
+        x = rng.normal(1.0, 2.0, (4, 3)).astype(np.float32)
+        with mirrored(2).scope(), tempfile.TemporaryDirectory() as tmp:
+            models = {
+                "constructed": keras.Sequential([keras.Input((3,)), SyncBatchNormalization()]),
+                "convert, swapped": convert(keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])),
+                "convert, retyped": convert(Trunk(3, name="trunk")),
+            }
+            tower = Tower(name="tower")
+            tower(x)
+            models["convert, subclassed"] = convert(tower)
+            for where in ("convert, retyped", "convert, subclassed"):
+                path = os.path.join(tmp, "model.keras")
+                models[where].save(path)
+                models[f"loaded, {where}"] = keras.models.load_model(path)
+            counts = {}
+            for where, model in models.items():
+                synced = [l for l in all_layers(model) if isinstance(l, SyncBatchNormalization)]
+                assert synced, where
+                assert all(l.built and l.supports_jit is False for l in synced), (
+                    where, [(l.name, l.built, l.supports_jit) for l in synced])
+                times = [sum(r is l for r in registered) for l in synced]
+                assert times == [1] * len(synced), f"{where}: registered {times} times"
+                assert allow_xla(model) == len(synced), where
+                assert all(l.supports_jit is True for l in synced), where
+                check_agreement(model)
+                counts[where] = len(synced)
+    finally:
+        layer_module.SyncBatchNormalization._register = original
+
+    try:
+        convert(BatchAxis())
+        raise AssertionError("convert kept a batch norm of the batch axis")
+    except ValueError as err:
+        assert "is the batch axis" in str(err), err
+    return counts
+
+
 @check
 def fingerprint_guard_saves():
     """A model compiled with SkipMismatchedSteps saves and loads as a .keras file: the

@@ -9,8 +9,7 @@ import warnings
 
 import keras
 
-from . import mismatch
-from .layer import SyncBatchNormalization
+from .layer import SyncBatchNormalization, plain_in_place, synchronize_in_place
 
 __all__ = ["convert", "revert", "Synchronized"]
 
@@ -202,20 +201,14 @@ class _Swap:
     def retype(self, bn):
         """Make ``bn`` (a fresh copy that nothing else references) a ``target`` layer
         without replacing the object: its variables, name and place in the graph stay.
-        ``SyncBatchNormalization`` adds no instance state of its own to
-        BatchNormalization (its constructor only validates ``axis`` and sets
-        ``synchronized`` False; under a TensorFlow strategy it turns XLA off for ``fit``
-        and keeps a record of its verdicts, which a reverted layer drops), so the object
-        is then what the ``target`` constructor would have made."""
+        Converting, it gets what SyncBatchNormalization's constructor and build give
+        (:func:`synchronize_in_place`: the build-time checks, and under TensorFlow fit
+        kept off XLA and its verdict record); reverting, it drops them."""
         self.swaps += 1
-        bn.__class__ = self.target
-        bn.synchronized = False
         if self.target is SyncBatchNormalization:
-            if keras.backend.backend() == "tensorflow":
-                mismatch.keep_fit_off_xla(bn)
+            synchronize_in_place(bn)
         else:
-            bn.supports_jit = True
-            mismatch.forget(bn)
+            plain_in_place(bn)
 
     def retype_owner(self, layer, held_swapped: bool) -> None:
         """Give ``layer`` (a fresh copy that nothing else references) the class that

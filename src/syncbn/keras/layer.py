@@ -159,6 +159,12 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def build(self, input_shape):
         input_shape = tuple(input_shape)
+        self._check_build_shape(input_shape)
+        super().build(input_shape)
+        self._register(input_shape[self.axis])
+
+    def _check_build_shape(self, input_shape):
+        """The errors of :meth:`build` that Keras's layer does not raise itself."""
         rank = len(input_shape)
         if rank < 2:
             raise ValueError(
@@ -182,12 +188,14 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 f"{self.name}: the channel axis (axis={self.axis}) of the input must have "
                 f"a known size, got shape {input_shape}"
             )
-        super().build(input_shape)
-        # Known by name to this process's disagreement messages, whether called or not.
-        layer_fingerprint.remember(self.name, int(input_shape[self.axis]))
+
+    def _register(self, channels):
+        """What a built layer has beside its weights, once: its name known to this
+        process's disagreement messages (whether called or not) and, on TensorFlow, its
+        verdict record (where XLA drops the check's assert, see :mod:`mismatch`)."""
+        layer_fingerprint.remember(self.name, int(channels))
         if keras.backend.backend() == "tensorflow":
-            # Where XLA drops the check's assert, the verdict goes here (see mismatch).
-            mismatch.create(self, input_shape[self.axis])
+            mismatch.create(self, channels)
             mismatch.keep_fit_off_xla(self)
 
     def get_config(self):
@@ -372,6 +380,63 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if beta is not None:
             new_beta = new_beta + beta
         return new_gamma, new_beta
+
+
+def synchronize_in_place(layer):
+    """Make ``layer``, a ``keras.layers.BatchNormalization`` that nothing else references,
+    a :class:`SyncBatchNormalization` without replacing the object (its variables, name
+    and place in a graph stay), with what this class's constructor and :meth:`build`
+    add: ``synchronized`` off, fit kept off XLA under a strategy, the build-time checks
+    and the verdict record (now if it is built, else when it is built). This class adds
+    no instance state of its own, so the object is then what its constructor makes."""
+    shape = _built_input_shape(layer) if layer.built else None
+    if shape is not None:
+        SyncBatchNormalization._check_build_shape(layer, shape)  # before anything changes
+    layer.__class__ = SyncBatchNormalization
+    layer.synchronized = False
+    if keras.backend.backend() == "tensorflow":
+        mismatch.keep_fit_off_xla(layer)
+    if layer.built:
+        layer._register(layer.moving_mean.shape[0])
+        return
+    # Keras wraps ``build`` once per object, when it is made (``Layer.__new__``), around
+    # the build method of its class at that time (BatchNormalization's): put this
+    # class's checks and record around that wrapper, as SyncBatchNormalization.build does.
+    keras_build = layer.build
+
+    def build(input_shape):
+        input_shape = tuple(input_shape)
+        layer._check_build_shape(input_shape)
+        keras_build(input_shape)
+        layer._register(input_shape[layer.axis])
+
+    build.keras_build = keras_build  # for plain_in_place
+    layer.build = build
+
+
+def plain_in_place(layer):
+    """The inverse of :func:`synchronize_in_place`: make ``layer``, a
+    :class:`SyncBatchNormalization` that nothing else references, a
+    ``keras.layers.BatchNormalization`` without its verdict record, fit no longer kept
+    off XLA."""
+    layer.__class__ = keras.layers.BatchNormalization
+    layer.synchronized = False
+    layer.supports_jit = True
+    mismatch.forget(layer)
+    keras_build = getattr(vars(layer).get("build"), "keras_build", None)
+    if keras_build is not None:  # retyped before it was built: Keras's wrapper alone again
+        layer.build = keras_build
+
+
+def _built_input_shape(layer):
+    """The input shape a built batch norm layer was built for: the one Keras recorded,
+    else its rank with only the channel axis known."""
+    build_config = layer.get_build_config()
+    if build_config and "input_shape" in build_config:
+        return tuple(build_config["input_shape"])
+    shape = [None] * layer.input_spec.ndim
+    shape[layer.axis] = layer.moving_mean.shape[0]
+    return tuple(shape)
 
 
 def _assign_if(variable, new, old, ok):
