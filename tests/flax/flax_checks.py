@@ -1286,6 +1286,91 @@ def nnx_revert_restores_every_field():
     return {"layers": len(back)}
 
 
+@check
+def nnx_convert_reaches_every_container():
+    """nnx.convert reaches every nnx.BatchNorm the graph holds, wherever: a tuple, a
+    namedtuple, a list and a dict under nnx.data (nested too), nnx.List, nnx.Dict, one
+    layer shared by three of them (one new layer in all three places); each keeps its
+    Variables and synchronizes over axis_name, and a pmapped call on the tuple's layer
+    matches one call on the concatenated batch. A user subclass of syncbn's layer keeps
+    its class and code and takes the axis (revert gives its axis back). A user subclass
+    of flax.nnx.BatchNorm cannot be converted without dropping its code: TypeError
+    naming its path and class, and nothing changed. revert undoes the rest."""
+    import collections
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    import syncbn.flax.nnx as snnx
+
+    Pair = collections.namedtuple("Pair", "layer tag")
+
+    class ReluBN(snnx.BatchNorm):
+        def __call__(self, x, **kw):
+            return nnx.relu(super().__call__(x, **kw))
+
+    class Net(nnx.Module):
+        def __init__(self, extra=None):
+            make = lambda: nnx.BatchNorm(3, use_running_average=False, rngs=nnx.Rngs(0))
+            shared = make()
+            self.pair = nnx.data((make(), shared))
+            self.named = nnx.data(Pair(make(), "tag"))
+            self.plain = nnx.data([make(), {"inner": make(), "again": (shared,)}])
+            self.blocks = nnx.List([make(), shared])
+            self.table = nnx.Dict(norm=make())
+            self.mine = ReluBN(3, use_running_average=False, rngs=nnx.Rngs(0))
+            if extra is not None:
+                self.extra = extra
+
+    def batch_norms(model):
+        return [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.BatchNorm)]
+
+    net = Net()
+    variables = {path: id(node) for path, node in nnx.iter_graph(net) if isinstance(node, nnx.Variable)}
+    assert snnx.convert(net, axis_name=AXIS) is net
+    layers = batch_norms(net)
+    assert len(layers) == 8, [path for path, _ in layers]
+    for path, layer in layers:
+        assert isinstance(layer, snnx.BatchNorm) and layer.axis_name == AXIS, (path, type(layer), layer.axis_name)
+    assert type(net.mine) is ReluBN
+    assert net.pair[1] is net.blocks[1] is net.plain[1]["again"][0]
+    assert type(net.named) is Pair and net.named.tag == "tag"
+    assert {path: id(node) for path, node in nnx.iter_graph(net) if isinstance(node, nnx.Variable)} == variables
+
+    # the tuple's layer is synchronized: pmapped over 4 devices equals one call on all rows
+    x = jnp.asarray(np.random.default_rng(23).standard_normal((DEVICES, 5, 3)) * 2 + 1, jnp.float32)
+    def pmapped(layer):
+        graphdef, state = nnx.split(layer)
+        return jax.pmap(lambda x, state: nnx.merge(graphdef, state)(x), axis_name=AXIS, in_axes=(0, None))(x, state)
+
+    y = pmapped(net.pair[0])
+    single = nnx.BatchNorm(3, use_running_average=False, rngs=nnx.Rngs(0))
+    want = single(x.reshape(-1, 3))
+    # the same float32 statistics, merged differently: a few roundings of values of order 1
+    err = assert_close("tuple layer y", np.asarray(y).reshape(-1, 3), np.asarray(want), TOL["float32"])
+    assert float(jnp.min(pmapped(net.mine))) == 0.0  # its ReLU ran
+
+    assert snnx.revert(net) is net
+    for path, layer in batch_norms(net):
+        want_type = ReluBN if path == ("mine",) else nnx.BatchNorm
+        assert type(layer) is want_type and layer.axis_name is None, (path, type(layer), layer.axis_name)
+    assert not hasattr(net.mine, snnx._AXIS_BEFORE)
+
+    class OwnBN(nnx.BatchNorm):  # a subclass of Flax's layer: its code would be lost
+        def __call__(self, x, **kw):
+            return nnx.relu(super().__call__(x, **kw))
+
+    net = Net(extra=nnx.data((OwnBN(3, rngs=nnx.Rngs(0)),)))
+    try:
+        snnx.convert(net, axis_name=AXIS)
+    except TypeError as error:
+        assert "OwnBN" in str(error) and "extra/0" in str(error) and "syncbn.flax.nnx.BatchNorm" in str(error), error
+    else:
+        raise AssertionError("a subclass of flax.nnx.BatchNorm was left unsynchronized")
+    assert all(type(layer) in (nnx.BatchNorm, ReluBN, OwnBN) and layer.axis_name is None
+               for _, layer in batch_norms(net)), "convert changed the model before raising"
+    return {"layers": len(layers), "tuple layer y": err}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -72,21 +72,70 @@ def _rebuilt(old: nnx.BatchNorm, cls) -> nnx.BatchNorm:
 def _replace_layers(model, replace):
     """``replace(layer)`` for every layer of ``model``'s graph for which it is not None,
     in every place that holds the layer (a shared layer is replaced wherever it is);
-    returns ``model``, or its replacement when ``model`` is itself such a layer."""
-    nodes = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Pytree)]
-    new = {id(node): replace(node) for node in nodes}
-    new = {key: layer for key, layer in new.items() if layer is not None}
-    for parent in nodes:
-        if id(parent) in new:
+    returns ``model``, or its replacement when ``model`` is itself such a layer.
+
+    It reaches whatever the nnx graph can hold: attributes of modules (and of
+    ``nnx.List``/``nnx.Dict``), lists and dicts (changed in place) and any other JAX
+    pytree, such as a tuple or a namedtuple under ``nnx.data`` (rebuilt with the new
+    layer and put back where it was)."""
+    done = {}  # id(node) -> what takes its place (itself when nothing under it changed)
+
+    def visit(node):
+        if id(node) in done:
+            return done[id(node)]
+        done[id(node)] = node  # a cycle back to a node in progress keeps the node
+        if isinstance(node, nnx.Variable):
+            return node
+        if isinstance(node, nnx.Pytree):
+            new = replace(node)
+            if new is not None:
+                done[id(node)] = new
+                return new
+            for name, child in list(vars(node).items()):
+                if not name.startswith("_pytree__") and visit(child) is not child:
+                    setattr(node, name, done[id(child)])
+            return node
+        if isinstance(node, (list, dict)):
+            for key, child in list(node.items() if isinstance(node, dict) else enumerate(node)):
+                if visit(child) is not child:
+                    node[key] = done[id(child)]
+            return node
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda leaf: leaf is not node)
+        if treedef.num_leaves == 1 and children and children[0] is node:
+            return node  # a leaf: an array, a number, a function, ...
+        new_children = [visit(child) for child in children]
+        if any(a is not b for a, b in zip(new_children, children)):
+            done[id(node)] = jax.tree_util.tree_unflatten(treedef, new_children)
+        return done[id(node)]
+
+    return visit(model)
+
+
+def _layer_path(path) -> str:
+    return "/".join(str(part) for part in path) or "(the model itself)"
+
+
+def _check_plain_layers(model, when: str):
+    """Raise if ``model``'s graph holds an ``nnx.BatchNorm`` that convert does not
+    synchronize: a user subclass (before anything is changed) or, after conversion, a
+    plain one left in a container convert could not rebuild."""
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.BatchNorm) or isinstance(node, BatchNorm):
             continue
-        for key, child in list(nnx.iter_children(parent)):
-            if id(child) not in new or new[id(child)] is child:
-                continue
-            if isinstance(key, int) or not hasattr(parent, str(key)):
-                parent[key] = new[id(child)]
-            else:
-                setattr(parent, key, new[id(child)])
-    return new.get(id(model), model)
+        cls = type(node)
+        if cls is not nnx.BatchNorm:
+            raise TypeError(
+                f"syncbn.flax.nnx.convert: the layer at '{_layer_path(path)}' is a "
+                f"{cls.__module__}.{cls.__qualname__}, a subclass of flax.nnx.BatchNorm; converting it "
+                f"would drop its own code and leaving it would leave it unsynchronized. Derive "
+                f"{cls.__qualname__} from syncbn.flax.nnx.BatchNorm instead (same constructor and "
+                f"Variables), and convert synchronizes it. Nothing was changed.")
+        if when == "after":
+            raise RuntimeError(
+                f"syncbn.flax.nnx.convert could not replace the flax.nnx.BatchNorm at "
+                f"'{_layer_path(path)}' (held in a container it cannot rebuild), so it is not "
+                f"synchronized; hold it in a module attribute, nnx.List, nnx.Dict, list, dict or tuple, "
+                f"or build it as syncbn.flax.nnx.BatchNorm.")
 
 
 def convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
@@ -100,12 +149,20 @@ def convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
     synchronize over it and ``axis_index_groups``; otherwise each keeps its own.
     Returns ``model`` itself (or the new layer when ``model`` is itself a BatchNorm).
     ``revert(convert(m))`` restores every field of ``m``.
+
+    Every container the graph can hold is reached (module attributes, ``nnx.List``,
+    ``nnx.Dict``, lists, dicts, tuples and other pytrees under ``nnx.data``). A user
+    subclass of :class:`BatchNorm` keeps its class and code and takes ``axis_name``; a
+    user subclass of ``flax.nnx.BatchNorm`` cannot be replaced without dropping its own
+    code, so ``convert`` raises ``TypeError`` naming its path (before changing anything):
+    derive it from :class:`BatchNorm` instead. No plain ``flax.nnx.BatchNorm`` is left
+    unsynchronized without an error.
     """
 
     def synchronized(layer):
         if type(layer) is nnx.BatchNorm:
             layer = _rebuilt(layer, BatchNorm)
-        elif type(layer) is not BatchNorm:
+        elif not isinstance(layer, BatchNorm):  # a user subclass of it keeps its class
             return None
         if axis_name is not None:
             if not hasattr(layer, _AXIS_BEFORE):
@@ -113,7 +170,10 @@ def convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
             layer.axis_name, layer.axis_index_groups = axis_name, axis_index_groups
         return layer
 
-    return _replace_layers(model, synchronized)
+    _check_plain_layers(model, "before")
+    model = _replace_layers(model, synchronized)
+    _check_plain_layers(model, "after")
+    return model
 
 
 def revert(model):
@@ -123,6 +183,12 @@ def revert(model):
     Variables. Returns ``model`` itself (or the new layer when ``model`` is one)."""
 
     def plain(layer):
+        if isinstance(layer, BatchNorm) and type(layer) is not BatchNorm:
+            # a user subclass of syncbn's layer stays one: only its axis is restored
+            if hasattr(layer, _AXIS_BEFORE):
+                layer.axis_name, layer.axis_index_groups = getattr(layer, _AXIS_BEFORE)
+                delattr(layer, _AXIS_BEFORE)
+            return layer
         if type(layer) is not BatchNorm:
             return None
         new = _rebuilt(layer, nnx.BatchNorm)
