@@ -132,6 +132,32 @@ def test_strict_raises_before_changing_anything():
     assert isinstance(out[0], syncbn.SyncBatchNorm)
 
 
+def test_a_batch_norm_in_two_places_stays_one_layer():
+    """A layer registered under two parents is converted (and reverted) once: both places
+    hold the same module, with one set of parameters and running buffers."""
+    bn = nn.BatchNorm2d(4)
+    model = nn.ModuleDict({"a": nn.Sequential(bn, nn.ReLU()), "b": nn.Sequential(nn.Conv2d(4, 4, 1), bn)})
+    out = syncbn.convert_sync_batchnorm(model)
+    assert isinstance(out.a[0], syncbn.SyncBatchNorm) and out.a[0] is out.b[1]
+    out.double()  # the moves that split a copied layer's tensors
+    out.b(out.a(torch.randn(2, 4, 3, 3, dtype=torch.float64)))
+    assert out.a[0].running_mean is out.b[1].running_mean and int(out.a[0].num_batches_tracked) == 2
+    back = syncbn.revert_sync_batchnorm(out)
+    assert type(back.a[0]) is nn.BatchNorm2d and back.a[0] is back.b[1]
+
+
+def test_a_scripted_batch_norm_is_named_as_left_local():
+    """TorchScript code cannot be rewired: its batch norms are counted as left local (a
+    warning, or strict's error), never passed over in silence."""
+    scripted = torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
+    with pytest.warns(UserWarning, match=r"left 1 of 1 BatchNorm layers local .*TorchScript"):
+        syncbn.convert_sync_batchnorm(scripted)
+    model = nn.Sequential(nn.BatchNorm2d(3), scripted)
+    with pytest.raises(ValueError, match=r"left 1 of 2 BatchNorm layers local .*convert the model before"):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+    assert type(model[0]) is nn.BatchNorm2d  # untouched
+
+
 class SyncBatchNormRelu(syncbn.SyncBatchNorm):
     def forward(self, x):
         return F.relu(super().forward(x))
@@ -468,6 +494,62 @@ def test_group7_in_place_ops_after_the_activation_keep_the_pair_unfused(model_cl
     model runs as it did (the fused layer keeps its output for backward)."""
     model = _seeded(model_cls())
     ref = _fuse_expecting(model, {name: "changed in place"})
+    assert _fused_names(model) == []
+    _same_as_unfused(model, ref, _image)
+
+
+class _Taps:
+    """Forward hooks that keep what they see (the tensors themselves)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, module, inputs, output):
+        self.seen.append(output)
+
+
+@pytest.mark.parametrize("where", ["around the batch norm", "before the reader", "around the producer"])
+def test_group5_hooks_that_fx_bypasses_are_respected(where):
+    """torch.fx does not run module hooks: a hooked container ending at the batch norm
+    would see its output activated, a pre-hook changing the activation's output in place
+    would break the fused backward, and a hooked container ending at the convolution
+    keeps the output a fused layer would write over. The first two stay unfused, the third
+    is fused without writing over its input; all run as the unfused model does."""
+    taps = _Taps()
+    if where == "around the batch norm":
+        model = _seeded(nn.Sequential(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)),
+                                      nn.LeakyReLU(0.1), nn.Conv2d(4, 4, 1)))
+        model[0].register_forward_hook(taps)  # (a hook that returns a value is traced: no pair)
+    elif where == "before the reader":
+        model = _seeded(_stem())
+        model[3].register_forward_pre_hook(lambda m, i: (i[0].mul_(2),))
+    else:
+        model = _seeded(nn.Sequential(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1)), nn.BatchNorm2d(4),
+                                      nn.LeakyReLU(0.1), nn.Conv2d(4, 4, 1)))
+        model[0].register_forward_hook(taps)
+    ref = copy.deepcopy(model).double()
+    if where == "around the producer":
+        ref = _fuse_expecting(model, {}, ref=ref)
+        assert _fused_names(model) == ["1"] and not model[1].inplace
+    else:
+        ref = _fuse_expecting(model, {"0.1" if where == "around the batch norm" else "1": "has hooks"}, ref=ref)
+        assert _fused_names(model) == []
+    _same_as_unfused(model, ref, _image)
+    if where != "before the reader":
+        model.train()
+        taps.seen.clear()
+        x = _image(7)
+        y = model(x)
+        seen = model[0][0](x)  # what the hook saw, recomputed
+        if where == "around the batch norm":
+            seen = model[0][1](seen)
+        torch.testing.assert_close(taps.seen[-1], seen, rtol=0, atol=0)
+        assert y.shape == seen.shape
+
+
+def test_group7_a_truthy_inplace_flag_counts_as_in_place():
+    model = _seeded(nn.Sequential(*_stem()[:3], nn.Hardtanh(-1, 1, inplace=1), nn.Conv2d(4, 4, 1)))
+    ref = _fuse_expecting(model, {"1": "inplace=1"})
     assert _fused_names(model) == []
     _same_as_unfused(model, ref, _image)
 

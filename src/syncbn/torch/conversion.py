@@ -45,6 +45,8 @@ _FORWARDS = {cls.forward for cls in _PLAIN_BN} | {_BatchNorm.forward}
 # (origin unknown or rank-agnostic) BatchNormNd, which takes every input the layer took
 _RANKED_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# the class names a scripted (TorchScript) batch norm keeps as its original_name
+_BN_NAMES = {cls.__name__ for cls in _PLAIN_BN} | {"LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"}
 # per-module hooks that a move of the parameters and buffers into a new module would drop
 _HOOK_DICTS = (
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
@@ -101,13 +103,19 @@ def _synchronized(cls, bn: nn.Module, process_group, **kwargs) -> nn.Module:
     return new
 
 
-def _replace(module: nn.Module, swap) -> nn.Module:
-    """Apply ``swap`` to ``module`` and to every descendant, top-down; returns the root."""
+def _replace(module: nn.Module, swap, done: Optional[dict] = None) -> nn.Module:
+    """Apply ``swap`` to ``module`` and to every descendant, top-down; returns the root.
+    A module registered in several places is swapped once, and every place gets the same
+    replacement (two would split its parameters and running buffers)."""
+    done = {} if done is None else done
+    if id(module) in done:
+        return done[id(module)][1]
     new = swap(module)
+    done[id(module)] = (module, new)  # the module held too: its id stays its own meanwhile
     if new is not module:
         return new
     for name, child in module.named_children():
-        replaced = _replace(child, swap)
+        replaced = _replace(child, swap, done)
         if replaced is not child:
             module._modules[name] = replaced
     return module
@@ -176,6 +184,11 @@ def _classify(m: nn.Module, name: str = ""):
     local."""
     if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)) or "_syncbn_origin" in m.__dict__:
         return "synced"
+    if isinstance(m, torch.jit.ScriptModule):  # compiled code: nothing can be rewired
+        buffers = {n for n, _ in m.named_buffers(recurse=False)}
+        if getattr(m, "original_name", "") in _BN_NAMES or {"running_mean", "running_var"} <= buffers:
+            return "a TorchScript module (torch.jit.script or trace): convert the model before scripting it"
+        return None
     registered = type(m) in _CONVERSIONS
     if not registered:
         if not isinstance(m, _BatchNorm):
@@ -201,12 +214,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
 
     Works in place on the children (like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``)
     and returns the root, which is a new module when the root itself is a BatchNorm.
-    A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given.
+    A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given. A layer
+    registered in several places becomes one synchronized layer held in all of them.
 
     A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` with
     no registered conversion, an uninitialized lazy module, a layer whose behaviour lives
-    outside its parameters and buffers: a pruned or parametrized weight, module hooks)
-    stays local: a warning says
+    outside its parameters and buffers: a pruned or parametrized weight, module hooks;
+    a batch norm inside TorchScript code, ``torch.jit.script`` or ``trace``) stays local:
+    a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
     ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
     decision depends only on the model, so every rank raises alike).
@@ -491,13 +506,24 @@ _FRESH_PRODUCERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.Conv
 
 def _inplace_flag(target, args, kwargs) -> bool:
     """Whether a call of the function ``target`` passes ``inplace=True``."""
-    if kwargs.get("inplace") is True:
+    if _may_be_true(kwargs.get("inplace")):
         return True
     try:
         bound = inspect.signature(target).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return False
-    return bound.arguments.get("inplace") is True
+    return _may_be_true(bound.arguments.get("inplace"))
+
+
+def _may_be_true(value) -> bool:
+    """Whether an ``inplace`` argument may be true: any truthy value (``inplace=1``), or
+    one the graph computes."""
+    if isinstance(value, torch.fx.Node):
+        return True
+    try:
+        return bool(value)
+    except Exception:  # a value with no truth: assume it may be
+        return True
 
 
 def _changed_in_place(root: nn.Module, node) -> str | None:
@@ -528,8 +554,8 @@ def _changed_in_place(root: nn.Module, node) -> str | None:
                     todo.append(user)
             elif user.op == "call_module":
                 m = root.get_submodule(user.target)
-                if getattr(m, "inplace", False) is True:
-                    return f"{user.target} (inplace=True)"
+                if _may_be_true(getattr(m, "inplace", False)):
+                    return f"{user.target} (inplace={getattr(m, 'inplace')!r})"
                 if isinstance(m, _VIEW_MODULES):
                     todo.append(user)
     return None
@@ -566,6 +592,30 @@ def _ancestors(name: str):
     """The qualified names of the modules that contain ``name`` (root "" included)."""
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+_CALL_HOOKS = _FORWARD_HOOKS + ("_backward_hooks", "_backward_pre_hooks")
+
+
+def _module_stack(node) -> set:
+    """The qualified names of the modules inside whose call a traced node ran (for a
+    module call, that module too): a value crosses the boundary of a module around its
+    producer or its reader, where that module's hooks see it."""
+    stack = node.meta.get("nn_module_stack") or {}
+    names = {v[0] if isinstance(v, tuple) else k for k, v in stack.items()}
+    if node.op == "call_module":
+        names.add(node.target)
+    return names
+
+
+def _hooked(root: nn.Module, names, kinds) -> str | None:
+    """``module 'name' has hooks (...)`` for the first of ``names`` with hooks of ``kinds``, or None."""
+    for name in sorted(names):
+        found = [kind.strip("_") for kind in kinds if getattr(root.get_submodule(name), kind, None)]
+        if found:
+            return f"module {name!r} has hooks ({', '.join(found)})"
+    return None
 
 
 def _pairs_in(root: nn.Module, graph, reads: _Reads):
@@ -606,6 +656,17 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
         if reason is None:
             changed = _changed_in_place(root, user)
             reason = None if changed is None else f"the activation's output may be changed in place by {changed}"
+        if reason is None:  # torch.fx does not run module hooks: those on the way would be bypassed
+            crossed = (_module_stack(node) ^ _module_stack(user)) - {node.target, user.target}
+            hooked = _hooked(root, crossed, _CALL_HOOKS)
+            reason = None if hooked is None else f"{hooked}, which would see the batch norm's output activated"
+        if reason is None:
+            for reader in user.users:
+                hooked = _hooked(root, (_module_stack(user) ^ _module_stack(reader)) - {user.target}, _FORWARD_HOOKS)
+                if hooked is not None:
+                    reason = (f"{hooked}, which the activation's output passes; a change they make to it in place "
+                              "would break the fused layer's backward")
+                    break
         ancestors = _ancestors(node.target)
         if reason is None:
             for name in ancestors:
@@ -621,6 +682,9 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
             source is not None and getattr(source, "op", None) == "call_module" and len(source.users) == 1
             and type(root.get_submodule(source.target)) in _FRESH_PRODUCERS
             and _why_not_movable(root.get_submodule(source.target)) is None
+            # and no hooked module around the producer's output, which could hold it
+            and _hooked(root, (_module_stack(source) ^ _module_stack(node)) - {source.target, node.target},
+                        _CALL_HOOKS) is None
         )
         inside = set(ancestors)
         guard = tuple(v for v in reads.values.values() if names.get(id(v[0])) in inside)
@@ -670,7 +734,10 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
     training mode and once in eval mode (the modes are restored). A pair is fused only
     when both traces show it: a batch-norm module called once whose output is read by
     nothing but the activation module, every call of which is such a pair; and neither is
-    pruned, parametrized or hooked. It is skipped, with a warning naming it and why, when
+    pruned, parametrized or hooked, nor is any module whose boundary the batch norm's or
+    the activation's output crosses (a container ending at the batch norm, the module
+    reading the activation's output: the traced graph does not show what their hooks
+    see or do). It is skipped, with a warning naming it and why, when
     any of that fails, when the activation's output may be changed in place (an in-place
     method, a module or function with ``inplace=True``, or ``out += x``, which torch.fx
     cannot tell from ``out + x``: write ``x + out``), or when a module around it stores a
@@ -685,8 +752,9 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
 
     With ``inplace=True`` (the default) a fused layer writes its output over its input
     when both traces show that input to be the fresh output of a convolution or linear
-    module without hooks that nothing else reads (one activation-sized allocation less
-    at the forward peak; saved memory is the same either way); ``inplace=False`` never.
+    module that nothing else reads, with no hooks on it or on a module it ends (one
+    activation-sized allocation less at the forward peak; saved memory is the same
+    either way); ``inplace=False`` never.
 
     The batch norm is replaced by the fused layer (same parameter and buffer tensors,
     same ``state_dict`` keys) and the activation by an identity placeholder, so the
