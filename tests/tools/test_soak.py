@@ -22,3 +22,22 @@ def test_process_figures_see_a_new_descriptor(tmp_path):
     with open(tmp_path / "f", "w"):
         assert process_figures()["fds"] == before["fds"] + 1
     assert before["rss"] > 0 and before["threads"] >= 1
+
+
+def test_a_run_that_ends_within_the_warm_up_fails(pool):
+    """Nothing measured after the warm-up is no evidence: the verdict says so."""
+    lines = []
+    try:
+        result = soak(pool.run, 2, steps=40, every=20, warmup=50, max_growth_mb=10, say=lines.append)
+    finally:
+        pool.run(soak_reset)
+    assert not result["passed"] and "no sample after the warm-up" in result["verdict"], "\n".join(lines)
+
+
+def test_arguments_that_measure_nothing_are_usage_errors(capsys):
+    from syncbn.cli import main
+
+    assert main(["soak", "--steps", "300", "--warmup", "500"]) == 2
+    assert "--steps (300) must be more than 500" in capsys.readouterr().err
+    assert main(["soak", "--steps", "250", "--every", "250", "--warmup", "0"]) == 2
+    assert main(["soak", "--steps", "0"]) == 2

@@ -14,6 +14,7 @@ descriptor and thread counts never change. Not part of CI (CI runs 200 steps, se
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Callable, Dict, List
 
@@ -128,6 +129,8 @@ def soak(run_job: Callable, world: int, steps: int, every: int, warmup: int, max
     base = next((s for s in samples if s[0]["step"] >= warmup), samples[0])
     after = [s for s in samples if s[0]["step"] >= base[0]["step"]]
     problems, lines = [], []
+    if len(after) < 2 or base[0]["step"] < warmup:  # nothing measured after the warm-up
+        problems.append(f"no sample after the warm-up of {warmup} steps to compare with (more steps needed)")
     for rank in range(world):
         growth = max(s[rank]["rss"] for s in after) - base[rank]["rss"]
         fds = {s[rank]["fds"] for s in after}
@@ -159,8 +162,15 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from .launch import WorkerPool
 
-    if args.steps < 1 or args.every < 1 or args.world_size < 2:
-        raise SystemExit("syncbn soak: --steps and --every must be positive and --world-size at least 2")
+    if args.steps < 1 or args.every < 1 or args.world_size < 2 or args.warmup < 0:
+        print("syncbn soak: --steps and --every must be positive, --warmup not negative and --world-size "
+              "at least 2", file=sys.stderr)
+        return 2
+    first = args.warmup if args.warmup > 0 else args.every  # the step growth is measured from
+    if args.steps <= first:
+        print(f"syncbn soak: --steps ({args.steps}) must be more than {first} (--warmup, or --every without "
+              "one): growth is measured from there on", file=sys.stderr)
+        return 2
     with WorkerPool(args.world_size, backend="gloo", timeout=args.timeout) as pool:
         result = soak(pool.run, args.world_size, args.steps, args.every, args.warmup, args.max_growth_mb)
     return 0 if result["passed"] else 1
