@@ -749,6 +749,9 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
     a warning: a part traced alone could be tapped by the code around it. Tracing runs
     ``forward`` twice with symbolic values: Python side effects in a ``forward`` happen
     twice more. Activations applied as functions (``F.leaky_relu(self.bn(x))``) stay.
+    Only ``forward`` is traced: another method of the model that calls a fused batch norm
+    without its activation would get the activated output, so fuse models whose other
+    entry points (``forward_features``, ...) run the pair as ``forward`` does, or not at all.
 
     With ``inplace=True`` (the default) a fused layer writes its output over its input
     when both traces show that input to be the fresh output of a convolution or linear
