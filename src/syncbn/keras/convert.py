@@ -47,7 +47,8 @@ def convert(model):
     (registered as ``syncbn>Synchronized``), which saves the original class and config
     and synchronizes them again when ``keras.models.load_model`` rebuilds it
     (``syncbn.keras`` imported; without it loading raises Keras's "Could not locate
-    class" error naming ``syncbn>Synchronized``).
+    class" error, naming the converted class, ``SynchronizedBlock`` say, or
+    ``SyncBatchNormalization``; never a plain model).
 
     Weights files (``.weights.h5``) name a layer's group after its class, so a file
     saved from the original loads into ``convert`` of a model that loaded it (load,
