@@ -174,12 +174,14 @@ def mesh_1d(auto=False):
     return jax.make_mesh((DEVICES,), (AXIS,), axis_types=(AxisType.Auto if auto else AxisType.Explicit,))
 
 
-def global_step(model, case, mesh, spec, wrap_shard_map, backward=True):
+def global_step(model, case, mesh, spec, wrap_shard_map, backward=True, mask_spec=None, stat_spec=None):
     """One training call on the global batch (``W*B`` leading), batch sharded over the
     mesh axis, parameters and statistics replicated; under ``shard_map`` when
     ``wrap_shard_map`` else plain ``jit`` (XLA makes the reductions global). Returns the
     results and the compiled HLO text; with ``backward=False`` only the forward is
-    compiled and run (results None)."""
+    compiled and run (results None). ``x`` and ``dy`` take ``spec``, the mask
+    ``mask_spec`` (default ``spec``), the running statistics' cotangents ``stat_spec``
+    (default: none given; a cotangent must have its output's explicit sharding)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -187,7 +189,7 @@ def global_step(model, case, mesh, spec, wrap_shard_map, backward=True):
     variables = flax_variables(case)
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
     x = put(jnp.asarray(concat(case["x"]), case["dtype"]), spec)
-    mask = None if case["mask"] is None else put(jnp.asarray(concat(case["mask"])), spec)
+    mask = None if case["mask"] is None else put(jnp.asarray(concat(case["mask"])), mask_spec or spec)
     params = jax.tree.map(lambda a: put(jnp.asarray(a), P()), variables["params"])
     stats = jax.tree.map(lambda a: put(jnp.asarray(a), P()), variables["batch_stats"])
 
@@ -209,7 +211,10 @@ def global_step(model, case, mesh, spec, wrap_shard_map, backward=True):
         compiled(x, params, mask)
         return None, compiled.as_text()
     dy = put(jnp.asarray(concat(case["dy"])), spec)
-    args = (x, params, mask, dy, jnp.asarray(case["d_mean"][0]), jnp.asarray(case["d_var"][0]))
+    d_stats = [jnp.asarray(case[k][0]) for k in ("d_mean", "d_var")]
+    if stat_spec is not None:
+        d_stats = [put(d, stat_spec) for d in d_stats]
+    args = (x, params, mask, dy, *d_stats)
     compiled = jax.jit(run).lower(*args).compile()
     (y, mean, var), (dx, dparams) = compiled(*args)
     assert len(x.sharding.device_set) == mesh.size, x.sharding
@@ -263,6 +268,86 @@ def jit_sharded_matches_oracle():
                       ("3 devices", jax.make_mesh((3,), (AXIS,), devices=jax.devices()[:3]))):
         got, _ = global_step(model, case, mesh, P(AXIS), False)
         info[key] = compare(got, ref, "float32", key)
+    return info
+
+
+@check
+def jit_explicit_channel_sharding_matches_oracle():
+    """jit on explicit-sharding meshes (jax.make_mesh's default) with the channel axis
+    sharded: over the 4 devices with the batch replicated (channels at -1 and 1), and on a
+    2 x 2 mesh with the batch on one axis and the channels on the other; with a mask that
+    is replicated over the channels (its count is not sharded as the sums are) and
+    without. Forward, running statistics and gradients equal the oracle (flax.linen's
+    BatchNorm runs all of these; syncbn.flax raised ShardingTypeError stacking its
+    payload). The compiled steps communicate as flax.linen.BatchNorm's do (measured with
+    jax 0.10.2): nothing forward with the batch replicated, one all-reduce with it
+    sharded; backward one all-reduce more with it sharded, and two all-gathers of the
+    channel-sharded scale and bias gradients for the replicated parameters. nnx's layer
+    (nnx.jit) on the 2 x 2 mesh, masked, too."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from syncbn.flax import BatchNorm
+    import syncbn.flax.nnx as snnx
+
+    info = {}
+    # the report's case: a 2-D batch, channels sharded, variables from init (forward and statistics)
+    x = np.random.default_rng(119).normal(5, 2, (8, 4)).astype(np.float32)
+    model = BatchNorm(use_running_average=False, momentum=MOMENTUM, epsilon=EPS)
+    variables = model.init(jax.random.PRNGKey(0), jnp.asarray(x))
+    with jax.set_mesh(mesh_1d()):
+        y, upd = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"]))(
+            variables, jax.device_put(jnp.asarray(x), P(None, AXIS)))
+    ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
+    (ref_y, ref_mean, ref_var), _ = reference_vjp(x, ones, zeros, None, -1, EPS, MOMENTUM, zeros, ones,
+                                                  (np.zeros_like(x), zeros, zeros))
+    info["2-D batch"] = {"y": assert_close("2-D y", y, ref_y, TOL["float32"]),
+                         "mean": assert_close("2-D mean", upd["batch_stats"]["mean"], ref_mean, TOL["float32"]),
+                         "var": assert_close("2-D var", upd["batch_stats"]["var"], ref_var, TOL["float32"])}
+    mesh_2d = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    gathers = {"all-gather": 2}
+    runs = [("channels sharded, batch replicated", "channels_last", mesh_1d(), P(None, None, AXIS), P(), P(AXIS),
+             ({}, gathers)),
+            ("channels sharded, batch replicated", "channels_first", mesh_1d(), P(None, AXIS), P(), P(AXIS),
+             ({}, gathers)),
+            ("2x2: batch and channels sharded", "channels_last", mesh_2d, P("data", None, "model"), P("data"),
+             P("model"), ({"all-reduce": 1}, {"all-reduce": 2, **gathers}))]
+    for i, (label, layout, mesh, spec, mask_spec, stat_spec, want) in enumerate(runs):
+        for masked in (True, False):
+            case = make_case(120 + 2 * i + masked, layout, "float32", masked)
+            model = BatchNorm(use_running_average=False, axis=case["axis"], momentum=MOMENTUM, epsilon=EPS)
+            with jax.set_mesh(mesh):  # as users of explicit sharding do (the types are the same without)
+                got, both = global_step(model, case, mesh, spec, False, mask_spec=mask_spec, stat_spec=stat_spec)
+                _, fwd = global_step(model, case, mesh, spec, False, backward=False, mask_spec=mask_spec)
+            key = f"{label} {layout} {'masked' if masked else 'full'}"
+            ref = oracle(case, case["d_mean"][0], case["d_var"][0])
+            info[key] = compare(got, ref, "float32", key)
+            counts = (collectives(fwd), collectives(both))
+            assert counts == want, (key, counts, want)
+            info[key]["collectives forward, forward+backward"] = counts
+
+    case = make_case(130, "channels_last", "float32", True)
+    layer = snnx.BatchNorm(4, momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+    for name, value in list(case["params"].items()) + list(case["stats"].items()):
+        getattr(layer, name)[...] = jnp.asarray(value)
+    put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh_2d, spec))
+    x, dy = (put(concat(case[k]), P("data", None, "model")) for k in ("x", "dy"))
+    mask = put(concat(case["mask"]), P("data"))
+
+    @nnx.jit
+    def step(layer, x, mask, dy):
+        return nnx.grad(lambda layer, x: jnp.sum(layer(x, mask=mask) * dy), argnums=(0, 1))(layer, x)
+
+    with jax.set_mesh(mesh_2d):
+        grads, dx = step(layer, x, mask, dy)
+    ref = oracle(case, np.zeros(4), np.zeros(4))
+    info["nnx 2x2 masked"] = {
+        "dx": assert_close("nnx dx", dx, ref["dx"], TOL["float32"]),
+        "dscale": assert_close("nnx dscale", grads["scale"][...], ref["dscale"], TOL["float32"]),
+        "dbias": assert_close("nnx dbias", grads["bias"][...], ref["dbias"], TOL["float32"]),
+        "mean": assert_close("nnx mean", layer.mean[...], ref["mean"], TOL["float32"]),
+        "var": assert_close("nnx var", layer.var[...], ref["var"], TOL["float32"])}
     return info
 
 

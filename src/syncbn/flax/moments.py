@@ -11,7 +11,7 @@ computed in two local passes (``float32`` at least):
    algorithm: no cancellation, whatever ``|mean| / std``).
 
 The correction is applied in ``float64``, and each device contributes the sums
-``[n_r, n_r * m_r, M2_r + n_r * m_r**2]`` of one concatenated ``float64`` vector to a
+``[n_r, n_r * m_r, M2_r + n_r * m_r**2]``, stacked in one ``float64`` array, to a
 single ``psum``: the pack and merge of :mod:`syncbn.core.moments` with shift 0, where
 their derivation and error analysis are. ``float64`` is enabled only for these O(C)
 values, through the public ``jax.enable_x64`` context, whatever the process's
@@ -230,10 +230,14 @@ def local_moments(x, mask, groups: Groups, dtype):
     acc = accum_dtype(dtype)
     xs = cast(cast(x, dtype), acc)
     total = jnp.sum(_masked(xs, mask), axis=axes)
+    # The count takes the sums' sharding (``full_like``; ones where ``xs`` is), so that the
+    # payload's pieces can be stacked under explicit sharding, which requires one sharding:
+    # with the channels sharded, ``jnp.full`` would be replicated and a mask's sum would
+    # have the mask's sharding, not the sums'.
     if mask is None:
-        n = jnp.full(total.shape, math.prod(x.shape[ax] for ax in axes), jnp.int32)
+        n = jnp.full_like(total, math.prod(x.shape[ax] for ax in axes), dtype=jnp.int32)
     else:
-        n = jnp.sum(mask, axis=axes, dtype=jnp.int32)
+        n = jnp.sum(_masked(jnp.ones_like(xs, dtype=jnp.int32), mask), axis=axes)
     # The correction m1 + a / n needs a = sum(x - m1) taken around the very m1 it adds
     # back. XLA may recompute m1 = total * (1 / n) inside the subtraction's fusion and
     # contract x - total * (1 / n) into a fused multiply-add, the product unrounded: a
@@ -271,11 +275,13 @@ def union_moments(x, mask, reduction_axes: Sequence[int], dtype, axis_name: Axis
         a64 = [p.astype(wide) for p in parts(a)]
         mean_r = [c.astype(wide) + s / safe for c, s in zip(parts(m1), a64)]
         m2_r = jnp.maximum(b.astype(wide) - sum(s * s for s in a64) / safe, 0.0)
-        # one row per group; the sum over groups is the only reduction that may cross devices
-        payload = jnp.concatenate([n64] + [n64 * m for m in mean_r] + [m2_r + n64 * sum(m * m for m in mean_r)],
-                                  axis=1)
+        # (group, piece, *features): the sum over groups is the only reduction that may cross
+        # devices. Stacked on a new axis, not concatenated along a feature axis: there may be
+        # none (axis=()), and a sharded one would have to move between devices.
+        payload = jnp.stack([n64] + [n64 * m for m in mean_r] + [m2_r + n64 * sum(m * m for m in mean_r)],
+                            axis=1)
         total = cross_device_sum(jnp.sum(payload, axis=0), axis_name, axis_index_groups, tracked)
-        count, *sums, q = jnp.split(total, 2 + len(mean_r))
+        count, *sums, q = (total[i] for i in range(2 + len(mean_r)))
         mean = [s / count for s in sums]
         var = jnp.maximum(q / count - sum(m * m for m in mean), 0.0)
         # N = 0: 0/0 is NaN for the mean; keep the variance NaN too, as Flax's is

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 
 from .moments import (Groups, Moments, accum_dtype, axis_names, cast, cross_device_sum, is_complex, is_tracked,
                       real_dtype, union_moments, valid_mask, varying_axes)
@@ -138,6 +139,18 @@ def _match_varying(ct, like):
     return lax.psum(ct, extra) if extra else ct
 
 
+def _match_sharding(ct, like):
+    """A cotangent with its primal's explicit sharding, which ``custom_vjp`` requires:
+    with the channels sharded over an explicit mesh axis the per-channel sums are too,
+    and a parameter that is not gets them gathered (as Flax's autodiff gathers them).
+    Automatic sharding, ``pmap`` and ``shard_map`` are left to JAX as they were."""
+    have, want = getattr(jax.typeof(ct), "sharding", None), getattr(jax.typeof(like), "sharding", None)
+    if have is None or want is None or AxisType.Explicit not in getattr(have.mesh, "axis_types", ()):
+        return ct
+    # the primal's spec on the cotangent's mesh (a parameter may live outside any mesh)
+    return ct if have.spec == want.spec else jax.sharding.reshard(ct, jax.sharding.NamedSharding(have.mesh, want.spec))
+
+
 def _batch_norm_bwd(config, residuals, cotangents):
     x, scale, bias, mask, mom = residuals
     dy, g_mean, g_var = cotangents
@@ -184,11 +197,11 @@ def _batch_norm_bwd(config, residuals, cotangents):
         else:
             local_g[name] = g  # already the total (or no sync axis at all)
 
-    feat = s1.shape[1:]
-    flat = jnp.concatenate([v.reshape(groups.count, -1) for _, v in pieces], axis=1)  # complex if any is
+    # (group, piece, *features), complex if any piece is; stacked on a new axis as the
+    # forward's payload (moments.union_moments: no feature axis may exist, or it may be sharded)
+    flat = jnp.stack([v for _, v in pieces], axis=1)
     flat = cross_device_sum(jnp.sum(flat, axis=0), config.axis_name, config.axis_index_groups, tracked)
-    totals = {name: cast(v.reshape(feat), piece.dtype)
-              for (name, piece), v in zip(pieces, jnp.split(flat, len(pieces)))}
+    totals = {name: cast(flat[i], piece.dtype) for i, (name, piece) in enumerate(pieces)}
     totals.update(local_g)
     s1, s2 = jnp.sum(s1, axis=0), jnp.sum(s2, axis=0)  # this device's (pmap, shard_map: one group)
 
@@ -208,9 +221,9 @@ def _batch_norm_bwd(config, residuals, cotangents):
 
     dscale = dbias = None
     if scale is not None:
-        dscale = _match_varying(cast(totals["s2"] if scale_total else s2, scale.dtype), scale)
+        dscale = _match_sharding(_match_varying(cast(totals["s2"] if scale_total else s2, scale.dtype), scale), scale)
     if bias is not None:
-        dbias = _match_varying(cast(totals["s1"] if bias_total else s1, bias.dtype), bias)
+        dbias = _match_sharding(_match_varying(cast(totals["s1"] if bias_total else s1, bias.dtype), bias), bias)
     return dx, dscale, dbias, None
 
 
