@@ -351,6 +351,88 @@ def jit_explicit_channel_sharding_matches_oracle():
     return info
 
 
+@check
+def axis_empty_matches_oracle():
+    """axis=() (statistics over every axis, one scalar scale and bias, as flax.linen.BatchNorm
+    accepts): the variables Flax's layer has (shapes () ), its outputs and running
+    statistics on one device, and the float64 oracle (forward, running statistics,
+    gradients) under pmap with uneven masks and under jit with the batch sharded; nnx's
+    layer (num_features=1) gives flax.nnx's. The payload had no feature axis to
+    concatenate along (ValueError before)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    from syncbn.flax import BatchNorm
+    import syncbn.flax.nnx as snnx
+
+    rng = np.random.default_rng(140)
+    x = (rng.standard_normal((DEVICES, 3, 5)) * 2 + np.array([3.0, -1.0, 7.0, 0.5])[:, None, None]).astype(np.float32)
+    mask = rng.random(x.shape) < np.array([0.9, 0.1, 0.0, 0.5])[:, None, None]
+    mask[0, 0, 0] = True
+    scalar = lambda v: np.float32(v)
+    case = dict(x=x, mask=mask, params={"scale": scalar(1.3), "bias": scalar(-0.4)},
+                stats={"mean": scalar(0.2), "var": scalar(1.5)}, dy=rng.standard_normal(x.shape).astype(np.float32),
+                d_mean=rng.standard_normal(DEVICES).astype(np.float32),
+                d_var=rng.standard_normal(DEVICES).astype(np.float32), axis=(), dtype="float32")
+
+    def oracle_all(case, d_mean, d_var):
+        # batch norm over every axis is batch norm of the flattened batch as one channel
+        flat = lambda a: None if a is None else concat(a).reshape(-1, 1)
+        as1 = lambda v: np.reshape(v, (1,))
+        (y, mean, var), (dx, dscale, dbias) = reference_vjp(
+            flat(case["x"]), as1(case["params"]["scale"]), as1(case["params"]["bias"]), flat(case["mask"]), -1,
+            EPS, MOMENTUM, as1(case["stats"]["mean"]), as1(case["stats"]["var"]),
+            (flat(case["dy"]), as1(d_mean), as1(d_var)))
+        shape = concat(case["x"]).shape
+        return dict(y=y.reshape(shape), mean=mean[0], var=var[0], dx=dx.reshape(shape), dscale=dscale[0],
+                    dbias=dbias[0])
+
+    info = {}
+    # one device, against Flax's layer (its two-pass variance) and the oracle
+    x0 = jnp.asarray(concat(x))
+    ours = BatchNorm(use_running_average=False, axis=(), momentum=MOMENTUM, epsilon=EPS)
+    theirs = nn.BatchNorm(use_running_average=False, axis=(), momentum=MOMENTUM, epsilon=EPS, use_fast_variance=False)
+    variables = ours.init(jax.random.PRNGKey(0), x0)
+    shapes = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)
+    assert shapes(variables) == shapes(theirs.init(jax.random.PRNGKey(0), x0)), shapes(variables)
+    variables = flax_variables(case)
+    (y, upd) = ours.apply(variables, x0, mutable=["batch_stats"])
+    (y_f, upd_f) = theirs.apply(variables, x0, mutable=["batch_stats"])
+    assert y.shape == y_f.shape == x0.shape and upd["batch_stats"]["mean"].shape == (), (y.shape, upd)
+    info["one device vs flax y"] = assert_close("flax y", y, y_f, TOL["float32"])
+    for k in ("mean", "var"):
+        assert_close(f"flax {k}", upd["batch_stats"][k], upd_f["batch_stats"][k], TOL["float32"])
+    one = dict(case, x=concat(x)[None], mask=None, dy=concat(case["dy"])[None])
+    model = BatchNorm(use_running_average=False, axis=(), momentum=MOMENTUM, epsilon=EPS, axis_name=AXIS)
+    got = pmap_step(model, dict(one, d_mean=case["d_mean"][:1], d_var=case["d_var"][:1]))
+    got["mean"], got["var"] = got["mean"][0], got["var"][0]
+    info["one device"] = compare(got, oracle_all(one, case["d_mean"][0], case["d_var"][0]), "float32", "one device")
+
+    # pmap over 4 devices with uneven masks (one device fully masked)
+    got = pmap_step(model, case)
+    assert got["mean"].shape == (DEVICES,), got["mean"].shape
+    got["mean"], got["var"] = got["mean"][0], got["var"][0]
+    info["pmap masked"] = compare(got, oracle_all(case, case["d_mean"].sum(0), case["d_var"].sum(0)), "float32",
+                                  "pmap masked")
+
+    # jit, batch sharded over an explicit mesh, with and without the mask
+    model = BatchNorm(use_running_average=False, axis=(), momentum=MOMENTUM, epsilon=EPS)
+    for c, key in ((case, "jit masked"), (dict(case, mask=None), "jit full")):
+        got, _ = global_step(model, c, mesh_1d(), P(AXIS), False)
+        info[key] = compare(got, oracle_all(c, case["d_mean"][0], case["d_var"][0]), "float32", key)
+
+    # nnx: one scalar feature (num_features=1), as flax.nnx.BatchNorm with axis=()
+    ours = snnx.BatchNorm(1, axis=(), momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+    theirs = nnx.BatchNorm(1, axis=(), momentum=MOMENTUM, epsilon=EPS, use_fast_variance=False, rngs=nnx.Rngs(0))
+    y, y_f = ours(x0), theirs(x0)
+    info["nnx vs flax y"] = assert_close("nnx y", y, y_f, TOL["float32"])
+    assert_close("nnx mean", ours.mean[...], theirs.mean[...], TOL["float32"])
+    assert_close("nnx var", ours.var[...], theirs.var[...], TOL["float32"])
+    return info
+
+
 # ----------------------------------------------------------------------------- groups
 
 
