@@ -182,8 +182,8 @@ def _traced_ident(name: str, num_features: int) -> int:
 
 def end_step(group) -> None:
     """A backward pass ran a layer on ``group``: its next forward starts a new step.
-    Verdicts still pending (forward calls whose backward needs no collective, such as a
-    layer on the model's input) are read when this backward pass ends."""
+    Verdicts still pending (the forward verdicts of the CUDA path) are read when this
+    backward pass ends."""
     if not distributed.compiling():
         _ended.add(_group_key(group))
         if _pending:
