@@ -264,3 +264,43 @@ def test_functional_form_checks_the_call_index(pool):
     assert results[0] == results[1] and name == "LayerMismatchError"
     assert "rank 0 called layer 'head' (5 features), call 1 of the step" in message
     assert "rank 1 called layer 'head' (5 features), call 0 of the step" in message
+
+
+def subgroup_job(immediate):
+    """Ranks 1 and 3 form a group and call two layers in swapped orders; ranks 0 and 2
+    only take part in creating the group (``dist.new_group`` is collective)."""
+    group = dist.new_group([1, 3])
+    fingerprint.reset()
+    saved = set(fingerprint.IMMEDIATE_DEVICES)
+    if not immediate:  # verdicts wait on the device, read at the end of backward
+        fingerprint.IMMEDIATE_DEVICES.clear()
+    try:
+        if dist.get_rank() not in (1, 3):
+            return None
+        model = three_layers()
+        for m in model.modules():
+            if hasattr(m, "process_group"):
+                m.process_group = group
+        order = [0, 1] if dist.get_rank() == 1 else [1, 0]
+        x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+        try:
+            y = model[order[1]](model[order[0]](x))
+            y.backward(torch.randn(y.shape))
+            return "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return type(exc).__name__, str(exc)
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.update(saved)
+        fingerprint.reset()
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_a_subgroup_names_its_ranks_by_their_global_ranks(pool, immediate):
+    results = pool.run(subgroup_job, immediate)
+    assert results[0] is None and results[2] is None
+    assert results[1] == results[3] and results[1][0] == "LayerMismatchError", results
+    message = results[1][1]
+    # group ranks 0 and 1 are the processes users know as ranks 1 and 3
+    assert "rank 1 called layer '0' (8 features), call 0" in message
+    assert "rank 3 called layer '1' (8 features), call 0" in message

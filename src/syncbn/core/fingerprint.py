@@ -14,7 +14,7 @@ rank reaches the same verdict.
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 __all__ = [
     "DIGIT_BITS",
@@ -104,20 +104,23 @@ def describe(tag: Tag, what: str = "layer", features: str = "features") -> str:
 
 def mismatch_message(tag: Tag, sums: Sequence, world: int, rank: int, backward: bool, who: str = "rank",
                      group: str = "the ranks of the process group", what: str = "layer",
-                     features: str = "features") -> str:
+                     features: str = "features", numbers: Optional[Sequence[int]] = None) -> str:
     """The error message of a disagreement seen by ``rank`` (which sent ``tag``): with
     two ranks it names both ranks' calls (the other's recovered from the sums; ``sums``
-    None: only this rank's). ``rank`` None: this rank's number is not known."""
+    None: only this rank's). ``rank`` None: this rank's number is not known. ``numbers``:
+    the number to print for each rank of the group (a subgroup's members by their global
+    ranks, the numbers users see in their logs); by default the group ranks themselves."""
     phase = "backward" if backward else "forward"
+    number = (lambda r: r) if numbers is None else (lambda r: numbers[r])
     if rank is None:
         calls = f"this {who} called {describe(tag, what, features)}; the {world} {who}s did not all call it"
     elif world == 2 and sums is not None:
         own = digits(tag)
         other = undigits(int(s) - d for s, d in zip(list(sums)[:DIGITS], own))
         tags = {rank: tag, 1 - rank: other}
-        calls = "; ".join(f"{who} {r} called {describe(tags[r], what, features)}" for r in (0, 1))
+        calls = "; ".join(f"{who} {number(r)} called {describe(tags[r], what, features)}" for r in (0, 1))
     else:
-        calls = (f"{who} {rank} (this {who}) called {describe(tag, what, features)}; the {world} "
+        calls = (f"{who} {number(rank)} (this {who}) called {describe(tag, what, features)}; the {world} "
                  f"{who}s did not all call it")
     return (
         f"syncbn: {group} are in different synchronized layer calls ({phase}): {calls}. Every "

@@ -97,6 +97,18 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group)
 
 
+def global_ranks(group=None):
+    """The global rank of each rank of ``group``, in group-rank order; None for the whole
+    world (where they are the same), when not distributed, or when the group is gone."""
+    if not is_initialized() or group is None or group is dist.group.WORLD:
+        return None
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError):  # destroyed since: the group ranks are all we have
+        return None
+    return None if ranks == list(range(dist.get_world_size())) else ranks
+
+
 def default_group():
     """The default (world) process group object; None when not distributed."""
     return dist.group.WORLD if is_initialized() else None

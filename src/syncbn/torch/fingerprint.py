@@ -246,7 +246,7 @@ def check_now(sums: Tensor, group, tag: Tag, world: int, backward: bool = False)
     """Read the ``SIZE`` summed fingerprint values of a CPU payload at once and raise
     :class:`LayerMismatchError` (on every rank alike) unless every rank sent ``tag``."""
     if [int(v) for v in sums.tolist()] != _agreeing_sums(tag, world):
-        _raise(tag, sums, world, distributed.group_rank(group), backward)
+        _raise(tag, sums, world, distributed.group_rank(group), backward, group)
 
 
 def check_world(world: int) -> None:
@@ -262,7 +262,7 @@ def pending_verdict(sums: Tensor, group, tag: Tag, world: int, backward: bool = 
     computed already, by a kernel that compared the sums with :func:`agreeing_values`."""
     if ok is None:
         ok = _agree(sums, tag, world)
-    _pending.append((ok, sums, tag, world, distributed.group_rank(group), backward))
+    _pending.append((ok, sums, tag, world, (distributed.group_rank(group), group), backward))
     if backward:
         _check_after_backward()
     elif len(_pending) > 1024:  # forward-only loops: bound what waits
@@ -305,7 +305,7 @@ def _agree(sums: Tensor, tag: Tag, world: int) -> Tensor:
 
 # ---- verdicts that wait on the device ------------------------------------------------
 
-_pending = []  # (ok, sums, tag, world, rank, backward) not yet read on the host
+_pending = []  # (ok, sums, tag, world, (rank, group), backward) not yet read on the host
 _queued_for = [None]  # the backward pass (graph task) whose end will check them
 
 
@@ -338,16 +338,17 @@ def check_agreement() -> None:
             if sums is None:  # a deferred check (defer): its own error
                 _pending.clear()
                 raise tag
-            _raise(tag, sums, world, rank, backward)
+            _raise(tag, sums, world, rank[0], backward, rank[1])
 
 
 # ---- the message ---------------------------------------------------------------------
 
 
-def _raise(tag: Tag, sums: Tensor, world: int, rank: int, backward: bool):
+def _raise(tag: Tag, sums: Tensor, world: int, rank: int, backward: bool, group=None):
+    """Raise the disagreement, naming a subgroup's ranks by their global ranks."""
     _pending.clear()
     raise LayerMismatchError(_mismatch_message(tag, sums[:DIGITS].tolist() + sums[DIGITS:].tolist(),
-                                               world, rank, backward))
+                                               world, rank, backward, numbers=distributed.global_ranks(group)))
 
 
 def _compiled_message(tag: Tag, backward: bool) -> str:
