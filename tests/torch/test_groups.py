@@ -226,3 +226,23 @@ def test_sync_groups_after_the_default_group_is_made_anew():
     for rank, r in enumerate(results):
         assert r["first_ranks"] == [rank] and r["second_ranks"] == [rank]
         assert r["first_freed"] and r["new_group"] and r["cached_again"] and r["output_ok"], r
+
+
+def destroyed_group_job():
+    """sync_groups(2), that group destroyed on every rank, then sync_groups(2) again."""
+    import torch.distributed as tdist
+
+    first = syncbn.sync_groups(2)
+    tdist.barrier()
+    tdist.destroy_process_group(first)
+    second = syncbn.sync_groups(2)
+    total = torch.tensor([float(tdist.get_rank())])
+    tdist.all_reduce(total, group=second)  # the new group works: its block's ranks summed
+    return {"new": second is not first, "ranks": tdist.get_process_group_ranks(second),
+            "sum": total.item(), "again": syncbn.sync_groups(2) is second}
+
+
+def test_a_destroyed_group_is_made_anew(pool):
+    for rank, r in enumerate(pool.run(destroyed_group_job)):
+        block = [rank - rank % 2, rank - rank % 2 + 1]
+        assert r == {"new": True, "ranks": block, "sum": float(sum(block)), "again": True}

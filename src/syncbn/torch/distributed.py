@@ -97,14 +97,22 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group)
 
 
+def registered_ranks(group):
+    """The global ranks of ``group`` while torch's registry holds it; None once it was
+    destroyed (``destroy_process_group(group)``, or the world's destruction)."""
+    try:
+        return dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
 def global_ranks(group=None):
     """The global rank of each rank of ``group``, in group-rank order; None for the whole
     world (where they are the same), when not distributed, or when the group is gone."""
     if not is_initialized() or group is None or group is dist.group.WORLD:
         return None
-    try:
-        ranks = dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError):  # destroyed since: the group ranks are all we have
+    ranks = registered_ranks(group)
+    if ranks is None:  # destroyed since: the group ranks are all we have
         return None
     return None if ranks == list(range(dist.get_world_size())) else ranks
 

@@ -38,7 +38,8 @@ def sync_groups(group_size: int):
     Creating process groups is collective over the whole world, so **every rank must call
     this**, with the same ``group_size``: each rank creates every block's group, in the
     same order, and keeps its own. Calling it again with the same size returns the same
-    group without creating new ones.
+    group without creating new ones, unless that group was destroyed since (on every rank:
+    then the call creates them anew, like the first).
 
     Returns None (the default group) when ``group_size`` equals the world size, and when
     ``torch.distributed`` is not initialized and ``group_size`` is 1.
@@ -71,7 +72,9 @@ def sync_groups(group_size: int):
     cached = _CACHE.get(group_size)
     if cached is not None and cached[0]() is world_group:  # same world: reuse the groups
         group = cached[1]()
-        if group is not None:  # alive as long as torch's registry of groups holds it
+        # alive as long as torch's registry of groups (or the caller) holds it; a group the
+        # caller destroyed on every rank is made anew, collectively, as on the first call
+        if group is not None and distributed.registered_ranks(group) is not None:
             return group
     blocks = [range(start, start + group_size) for start in range(0, world, group_size)]
     group = distributed.new_groups(blocks)
