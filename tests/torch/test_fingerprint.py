@@ -16,7 +16,10 @@ from workers import group_of, in_group
 
 
 def test_digits_round_trip():
-    for tag in (fingerprint.Tag(0, 0), fingerprint.Tag(0xFFFFFF, 0xFFF), fingerprint.Tag(0x123456, 0x789)):
+    tags = (fingerprint.Tag(0, 0), fingerprint.Tag(0xFFFFFF, 0x7FF, True), fingerprint.Tag(0x123456, 0x789),
+            fingerprint.Tag(0x123456, 0x789, True), fingerprint.Tag(0xFFFFFF, 0x7FF, False))
+    assert len({tuple(fingerprint._digits(t)) for t in tags}) == len(tags)  # the graph bit counts
+    for tag in tags:
         digits = fingerprint._digits(tag)
         assert len(digits) == fingerprint.DIGITS and all(0 <= d <= 15 for d in digits)
         assert fingerprint._undigits(digits) == tag
@@ -304,3 +307,44 @@ def test_a_subgroup_names_its_ranks_by_their_global_ranks(pool, immediate):
     # group ranks 0 and 1 are the processes users know as ranks 1 and 3
     assert "rank 1 called layer '0' (8 features), call 0" in message
     assert "rank 3 called layer '1' (8 features), call 0" in message
+
+
+def no_grad_extra_job():
+    """After a step, rank 0 alone runs a training-mode forward under no_grad (a stray
+    statistics pass); rank 1 goes on with its next step."""
+    group = group_of(2)
+    fingerprint.reset()
+    if not in_group(2):
+        return None
+    try:
+        model = three_layers()
+        for m in model.modules():
+            if hasattr(m, "process_group"):
+                m.process_group = group
+        rank = dist.get_rank()
+        x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        model(x).backward(torch.randn(3, 8, 4, 4))
+        try:
+            if rank == 0:
+                with torch.no_grad():
+                    model(x)
+            model(x).backward(torch.randn(3, 8, 4, 4))
+            fingerprint.check_agreement()
+            return "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return type(exc).__name__, str(exc)
+    finally:
+        fingerprint.reset()
+
+
+def test_a_no_grad_forward_on_one_rank_is_named_at_once(pool):
+    """Without the graph bit the no_grad forward pairs with the other rank's recorded one,
+    and the next collectives pair a forward with a backward of another size: the
+    backend crashes instead of raising our error. (On the CPU, where the verdict is read
+    at once; on CUDA it is read at the next check, see docs/disagreement.md.)"""
+    results = pool.run(no_grad_extra_job, timeout=120)[:2]
+    assert results[0] == results[1] and results[0][0] == "LayerMismatchError", results
+    message = results[0][1]
+    assert "rank 0 called layer '0' (8 features), call 0 of the step;" in message
+    assert "rank 1 called layer '0' (8 features), call 0 of the step, recording autograd" in message
+    assert "only one rank records it for a backward pass" in message

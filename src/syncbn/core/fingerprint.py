@@ -2,7 +2,8 @@
 layers (:mod:`syncbn.torch.fingerprint`) and the Keras layer (:mod:`syncbn.keras.replicas`).
 
 A call of a synchronized layer is tagged by a :class:`Tag` (a 24-bit CRC-32 of the
-layer's name and width, and a 12-bit call index). The tag's 36 bits are cut into
+layer's name and width, one bit saying whether the call records an autograd graph, and
+an 11-bit call index). The tag's 36 bits are cut into
 ``DIGITS`` = 9 digits ``d`` of 4 bits, and the payload that is summed over the W ranks
 carries ``d`` and ``d^2`` for each: ``SIZE`` = 18 values. After the sum,
 ``(sum d)^2 <= W * sum d^2`` (Cauchy-Schwarz), with equality exactly when every rank sent
@@ -20,6 +21,7 @@ __all__ = [
     "DIGIT_BITS",
     "IDENT_BITS",
     "INDEX_BITS",
+    "GRAPH_BITS",
     "DIGITS",
     "SIZE",
     "MAX_WORLD",
@@ -37,8 +39,9 @@ __all__ = [
 
 DIGIT_BITS = 4
 IDENT_BITS = 24
-INDEX_BITS = 12
-DIGITS = (IDENT_BITS + INDEX_BITS) // DIGIT_BITS  # 9
+GRAPH_BITS = 1
+INDEX_BITS = 11
+DIGITS = (IDENT_BITS + GRAPH_BITS + INDEX_BITS) // DIGIT_BITS  # 9
 SIZE = 2 * DIGITS  # 18 extra values per payload
 DIGIT_MAX = (1 << DIGIT_BITS) - 1
 # sum of d^2 over W ranks must stay an exact float32 integer: W * 15^2 <= 2^24
@@ -51,7 +54,11 @@ class LayerMismatchError(RuntimeError):
 
 class Tag(NamedTuple):
     ident: int  # 24-bit hash of the layer's name and num_features
-    index: int  # call index within the step, modulo 2^12
+    index: int  # call index within the step, modulo 2^11
+    # the call records an autograd graph, so its backward will communicate (PyTorch: a
+    # training forward under no_grad on one rank beside a recorded one on another pairs
+    # a call without a backward with one that has it; the Keras layers leave it False)
+    graph: bool = False
 
 
 _names = {}  # ident -> (name, num_features): names this process can decode
@@ -71,7 +78,7 @@ def remember(name: str, num_features: int) -> int:
 
 def digits(tag: Tag) -> list:
     """The ``DIGITS`` 4-bit digits of ``tag``, least significant first."""
-    value = (tag.ident << INDEX_BITS) | (tag.index & ((1 << INDEX_BITS) - 1))
+    value = (((tag.ident << GRAPH_BITS) | int(bool(tag.graph))) << INDEX_BITS) | (tag.index & ((1 << INDEX_BITS) - 1))
     return [(value >> (DIGIT_BITS * i)) & DIGIT_MAX for i in range(DIGITS)]
 
 
@@ -80,7 +87,7 @@ def undigits(ds) -> Tag:
     value = 0
     for i, d in enumerate(ds):
         value |= int(d) << (DIGIT_BITS * i)
-    return Tag(value >> INDEX_BITS, value & ((1 << INDEX_BITS) - 1))
+    return Tag(value >> (INDEX_BITS + GRAPH_BITS), value & ((1 << INDEX_BITS) - 1), bool((value >> INDEX_BITS) & 1))
 
 
 def values(tag: Tag) -> list:
@@ -99,7 +106,7 @@ def describe(tag: Tag, what: str = "layer", features: str = "features") -> str:
     """``tag`` in words: the layer's name when this process knows it."""
     known = _names.get(tag.ident)
     name = f"{what} {known[0]!r} ({known[1]} {features})" if known else f"a {what} unknown here (id {tag.ident:06x})"
-    return f"{name}, call {tag.index} of the step"
+    return f"{name}, call {tag.index} of the step" + (", recording autograd" if tag.graph else "")
 
 
 def mismatch_message(tag: Tag, sums: Sequence, world: int, rank: int, backward: bool, who: str = "rank",
@@ -119,6 +126,9 @@ def mismatch_message(tag: Tag, sums: Sequence, world: int, rank: int, backward: 
         other = undigits(int(s) - d for s, d in zip(list(sums)[:DIGITS], own))
         tags = {rank: tag, 1 - rank: other}
         calls = "; ".join(f"{who} {number(r)} called {describe(tags[r], what, features)}" for r in (0, 1))
+        if tag._replace(graph=False) == other._replace(graph=False):
+            calls += (f" (the same call, but only one {who} records it for a backward pass: a training-mode "
+                      f"call under torch.no_grad, or on tensors that need no gradient, on one {who} alone)")
     else:
         calls = (f"{who} {number(rank)} (this {who}) called {describe(tag, what, features)}; the {world} "
                  f"{who}s did not all call it")

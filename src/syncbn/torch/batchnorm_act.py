@@ -786,7 +786,8 @@ def _in_place_refusal(x: Tensor) -> Optional[str]:
 @distributed.eager_unless_traceable
 def _synchronized(layer, input, running_mean, running_var, momentum, syncing: bool, inplace: bool):
     """The layer's general call: its fingerprint (when it communicates) and the function."""
-    tag = fingerprint.forward_tag(layer, layer.num_features, layer.process_group) if syncing else None
+    tag = fingerprint.forward_tag(layer, layer.num_features, layer.process_group,
+                                  graph=fingerprint.records_graph(input, layer.weight, layer.bias)) if syncing else None
     return _SyncBatchNormAct.apply(
         input, layer.weight, layer.bias, running_mean, running_var, layer.eps, momentum,
         layer.process_group, syncing, layer.activation, layer.activation_param, inplace, tag,

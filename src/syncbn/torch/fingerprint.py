@@ -22,7 +22,12 @@ What is fingerprinted (a :class:`Tag`, two integers):
   the functional form. (Not a count of layers constructed: a rank that builds an extra
   model, for evaluation say, would then disagree with the others about every name.)
   Unnamed layers of one class and width are told apart by the call index alone;
-- the index of the call within the step on its process group (12 bits): the forward
+- whether the call records an autograd graph (grad mode on, and the input or an affine
+  parameter requires grad): a rank whose call records none makes no backward collective
+  for it, so a training-mode forward under ``torch.no_grad`` on one rank alone (beside
+  another rank's recorded one) is named at once instead of leaving the next collectives
+  paired wrongly;
+- the index of the call within the step on its process group (11 bits): the forward
   calls are counted from 0, and the first forward after a backward pass of a layer on
   that group starts a new step. A backward carries the tag of its own forward. Under
   ``torch.compile`` (a graph traced once) the index is not counted and is 0.
@@ -72,6 +77,7 @@ __all__ = [
     "set_layer_name",
     "layer_name",
     "forward_tag",
+    "records_graph",
     "end_step",
     "STEP_CHECK",
     "all_reduce_checked",
@@ -147,9 +153,10 @@ def _group_key(group) -> int:
     return 0 if group is None else id(group)
 
 
-def forward_tag(layer, num_features: int, group, name: Optional[str] = None) -> Tag:
+def forward_tag(layer, num_features: int, group, name: Optional[str] = None, graph: bool = False) -> Tag:
     """The tag of a training forward call of ``layer`` (a module, or None with ``name``
-    for the functional form) on ``group``; counts the call."""
+    for the functional form) on ``group``; counts the call. ``graph``: the call records
+    an autograd graph (see :func:`records_graph`), so its backward will communicate."""
     if layer is not None:
         ident = _layer_ident(layer) if not distributed.compiling() else _traced_ident(layer_name(layer), num_features)
     elif distributed.compiling():
@@ -157,7 +164,7 @@ def forward_tag(layer, num_features: int, group, name: Optional[str] = None) -> 
     else:
         ident = _remember(name or "sync_batch_norm", num_features)
     if distributed.compiling():
-        return Tag(ident, 0)
+        return Tag(ident, 0, graph)
     key = _group_key(group)
     if key in _ended:
         _ended.discard(key)
@@ -166,7 +173,14 @@ def forward_tag(layer, num_features: int, group, name: Optional[str] = None) -> 
             check_agreement()
     index = _calls.get(key, 0)
     _calls[key] = index + 1
-    return Tag(ident, index & ((1 << INDEX_BITS) - 1))
+    return Tag(ident, index & ((1 << INDEX_BITS) - 1), graph)
+
+
+def records_graph(*tensors) -> bool:
+    """Whether a call on ``tensors`` (the input and the affine parameters; None skipped)
+    records an autograd graph: grad mode on and one of them requires grad. A rank whose
+    call records none makes no backward collective for it, so the ranks must agree."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _assume_constant(fn):

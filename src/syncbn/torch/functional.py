@@ -508,7 +508,8 @@ def _check_momentum(momentum) -> None:
 
 @distributed.eager_unless_traceable
 def _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name):
-    tag = fingerprint.forward_tag(layer, input.shape[1], process_group, name)
+    tag = fingerprint.forward_tag(layer, input.shape[1], process_group, name,
+                                  fingerprint.records_graph(input, weight, bias))
     return _SyncBatchNorm.apply(
         input, weight, bias, running_mean, running_var, eps, momentum, process_group, tag
     )
