@@ -1272,7 +1272,8 @@ def linen_convert_variables_and_revert():
     """A converted linen model has exactly the original's variable tree (paths, shapes,
     dtypes, and the same initial values for the same key), also as a submodule of a
     parent (setup and compact); variables are interchangeable both ways;
-    revert(convert(m)) is m with every field equal, also after converting twice; nnx
+    revert(convert(m)) is m with every field equal, also after converting twice, and the
+    converted model reads the model's fields (those it does not share with the wrapper); nnx
     models and a positional axis name are TypeErrors, not no-ops."""
     import dataclasses
     import jax
@@ -1326,6 +1327,9 @@ def linen_convert_variables_and_revert():
         once = sf.convert(original, axis_name=AXIS, axis_index_groups=[[0, 1]])
         twice = sf.convert(once, axis_name="other")
         assert twice.axis_name == "other", twice
+        for field in dataclasses.fields(original):  # the model's fields read through the wrapper
+            if field.name not in ("axis_name", "axis_index_groups", "name", "parent"):
+                assert getattr(twice, field.name) == getattr(original, field.name), field.name
         for back in (sf.revert(once), sf.revert(twice)):
             assert back is original, (back, original)
             assert type(back) is type(original)

@@ -28,6 +28,7 @@ A third way is to build the model with ``syncbn.flax.BatchNorm`` (a subclass of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 import types
@@ -160,6 +161,11 @@ def _on_module(fn):
 _OWN_METHODS = ("__call__", "call_module")
 
 
+def _field_names(module) -> set:
+    """The dataclass fields of ``module``'s class, as declared (``name``/``parent`` too)."""
+    return {f.name for f in dataclasses.fields(module)}
+
+
 class Synchronized(nn.Module):
     """``module`` with every ``flax.linen.BatchNorm`` it calls synchronized over
     ``axis_name`` (each layer's own when None). Made by :func:`convert`, undone by
@@ -168,7 +174,10 @@ class Synchronized(nn.Module):
     Calling it calls ``module``; ``apply``/``init`` with ``method=`` (a name, an unbound
     method of ``module``'s class, a bound method of the original module, or any function
     taking the module first) run that method on ``module``; a bound instance (``bind``,
-    or a submodule of a parent model) forwards ``module``'s own methods likewise.
+    or a submodule of a parent model) forwards ``module``'s own methods likewise. The
+    model's fields read through it (``converted.num_classes``), except the wrapper's own
+    ``axis_name`` and ``axis_index_groups``, which are the conversion's settings (the
+    model's are ``converted.module.axis_name``).
     """
 
     module: nn.Module
@@ -217,7 +226,12 @@ class Synchronized(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            fn = _wrapped_method(self.__dict__.get("module"), name)
+            module = self.__dict__.get("module")
+            if isinstance(module, nn.Module) and name in _field_names(module):
+                # a field of the model (the wrapper's own shadow it), also one whose
+                # default is a function (an initializer), which is no method
+                return getattr(module, name)
+            fn = _wrapped_method(module, name)
             if fn is None:
                 raise
             return types.MethodType(_on_module(fn), self)
