@@ -417,6 +417,142 @@ def revert_unregistered_subclasses():
 
 
 @check
+def clone_model_of_converted_unregistered_classes():
+    """``keras.models.clone_model`` of a converted model works for classes Keras cannot
+    find by name, as it does for the plain model, and the clone's batch norm layers are
+    still SyncBatchNormalization with the converted layers' configs: a Functional model
+    holding an unregistered custom layer, an unregistered Functional subclass (cloned
+    into a plain Functional, as Keras clones one) and an unregistered subclassed model,
+    built and unbuilt (cloned through its config: the file name ``syncbn>Synchronized``
+    finds only the mixin, and the original class is the one the caller's class was made
+    from)."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert
+
+    class Stem(keras.layers.Layer):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+            self.dense = keras.layers.Dense(units, name="dense")
+            self.norm = keras.layers.BatchNormalization(momentum=0.8, center=False, name="stem_norm")
+
+        def call(self, x, training=None):
+            return self.norm(self.dense(x), training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "units": self.units}
+
+    rng = np.random.default_rng(39)
+    Tower, Trunk = unregistered_classes()
+    x = rng.normal(2.0, 3.0, (6, 3)).astype(np.float32)
+    inputs = keras.Input((3,), name="x")
+    built_tower = Tower(3, name="tower")
+    built_tower(x)
+    models = {
+        "custom layer in a Functional model": keras.Model(inputs, Stem(3, name="stem")(inputs), name="net"),
+        "Functional subclass": Trunk(3, name="trunk"),
+        "subclassed model, built": built_tower,
+        "subclassed model, unbuilt": Tower(3, name="tower"),
+    }
+    for where, model in models.items():
+        synced = convert(model)
+        clone = keras.models.clone_model(synced)
+        want = {l.name: l.get_config() for l in every_layer(synced) if isinstance(l, SyncBatchNormalization)}
+        got = {l.name: l.get_config() for l in every_layer(clone) if isinstance(l, SyncBatchNormalization)}
+        assert kinds(clone) == (0, 1) and got == want, (where, kinds(clone), got, want)
+        assert isinstance(clone, type(model)) or type(model) is Trunk, (where, type(clone))
+        y = np.asarray(keras.ops.convert_to_numpy(clone(x, training=True)))
+        assert np.all(np.isfinite(y)), where
+    return {"models": len(models)}
+
+
+def unbuilt_owner_classes():
+    """A Functional subclass with a SyncBatchNormalization beside its graph that it
+    never calls, and a Sequential subclass without an Input (so unbuilt) whose
+    constructor makes one: ``revert`` rebuilds both through their constructors and
+    makes their layers plain in place, before those are built."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization
+
+    class Head(keras.Model):
+        def __init__(self, units, **kwargs):
+            inputs = keras.Input((4,), name="features")
+            x = keras.layers.Dense(units, name="dense")(inputs)
+            super().__init__(inputs, SyncBatchNormalization(momentum=0.5, name="head_norm")(x), **kwargs)
+            self.units = units
+            self.spare = SyncBatchNormalization(epsilon=0.1, center=False, name="spare")
+
+        def get_config(self):
+            return {"units": self.units, "name": self.name}
+
+    class Stack(keras.Sequential):
+        def __init__(self, units, **kwargs):
+            super().__init__([keras.layers.Dense(units, name="dense"),
+                              SyncBatchNormalization(momentum=0.6, name="stack_norm")], **kwargs)
+            self.units = units
+
+        def get_config(self):
+            return {"units": self.units, "name": self.name}
+
+        @classmethod
+        def from_config(cls, config):
+            return cls(**config)
+
+    return Head, Stack
+
+
+@check
+def revert_unbuilt_synchronized_layers():
+    """``revert`` of a SyncBatchNormalization never built gives an unbuilt
+    BatchNormalization with its config, which builds and trains as Keras's own layer:
+    bare (and built, beside it), and made plain in place inside a Functional subclass
+    and a Sequential subclass, where Keras's build wrapper of the layer still calls
+    SyncBatchNormalization's build. The original is left synchronized and usable."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, revert
+
+    rng = np.random.default_rng(41)
+    x = rng.normal(3.0, 2.0, (6, 4)).astype(np.float32)
+
+    def assert_plain_like(layer, original, where):
+        assert type(layer) is keras.layers.BatchNormalization, (where, type(layer))
+        assert layer.get_config() == {**original.get_config(), "synchronized": False}, where
+        assert layer.built is original.built, where
+        reference = keras.layers.BatchNormalization.from_config(layer.get_config())
+        got = keras.ops.convert_to_numpy(layer(x, training=True))
+        want = keras.ops.convert_to_numpy(reference(x, training=True))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=where)
+        assert [w.path for w in layer.weights] == [w.path for w in reference.weights], where
+        assert layer.supports_jit, where
+
+    for built in (False, True):
+        bn = SyncBatchNormalization(momentum=0.7, epsilon=1e-2, scale=False, name="bn")
+        if built:
+            bn.build(x.shape)
+        assert_plain_like(revert(bn), bn, f"bare, built={built}")
+        assert type(bn) is SyncBatchNormalization and bn.built is built, built
+        assert np.all(np.isfinite(keras.ops.convert_to_numpy(bn(x, training=True))))
+
+    Head, Stack = unbuilt_owner_classes()
+    head = Head(4, name="head")
+    plain = revert(head)
+    assert type(plain) is Head and kinds(plain) == (2, 0), (type(plain), kinds(plain))
+    assert_plain_like(plain.spare, head.spare, "Functional subclass, layer never called")
+    stack = Stack(4, name="stack")
+    plain = revert(stack)
+    assert type(plain) is Stack and not plain.built and kinds(plain) == (1, 0), (type(plain), kinds(plain))
+    y = keras.ops.convert_to_numpy(plain(x, training=True))
+    assert np.all(np.isfinite(y)) and type(plain.layers[-1]) is keras.layers.BatchNormalization
+    for original in (head.spare, stack.layers[-1]):
+        assert type(original) is SyncBatchNormalization and not original.built, original.name
+    assert np.all(np.isfinite(keras.ops.convert_to_numpy(stack(x, training=True))))
+    return {"owners": 2}
+
+
+@check
 def revert_sequential():
     """A Sequential model, built (with an Input) and unbuilt (no Input, never called),
     every BatchNormalization argument away from its default once."""

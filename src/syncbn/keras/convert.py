@@ -339,8 +339,8 @@ class Synchronized:
 
     @classmethod
     def from_config(cls, config):
-        if cls is Synchronized:  # loading a file: Keras's lookup (registered name, then module)
-            rebuilt = keras.saving.deserialize_keras_object(config["original"])
+        if cls is Synchronized:  # loading a file, or clone_model of a subclassed model
+            rebuilt = _rebuild_original(config["original"])
         else:  # copying a converted object: its class knows the original, registered or not
             rebuilt = original_class(cls).from_config(config["original"]["config"])
         swap = _Swap.to_sync()
@@ -348,6 +348,25 @@ class Synchronized:
         if not isinstance(rebuilt, Synchronized):  # held no batch norm: still saves as converted
             rebuilt.__class__ = synchronized_class(type(rebuilt))
         return rebuilt
+
+
+def _rebuild_original(original):
+    """The object that ``original`` (the ``"original"`` entry of a :class:`Synchronized`
+    config) describes, rebuilt by its class's ``from_config``.
+
+    The class is the original of the synchronized class that the caller hands Keras
+    under that class's own name, if any: ``keras.models.clone_model`` of a converted
+    subclassed model passes ``custom_objects={"SynchronizedTower": ...}`` (its registered
+    name, ``syncbn>Synchronized``, finds only this mixin), which names the original even
+    when Keras cannot find it by name. Otherwise Keras looks the original up (registered
+    name, custom objects, then module) and raises its "Could not locate class" for a
+    class neither registered nor passed in ``custom_objects``."""
+    synced = keras.saving.get_registered_object(f"Synchronized{original['class_name']}")
+    if isinstance(synced, type) and issubclass(synced, Synchronized):
+        cls = original_class(synced)
+        if (cls.__module__, cls.__name__) == (original["module"], original["class_name"]):
+            return cls.from_config(original["config"])
+    return keras.saving.deserialize_keras_object(original)
 
 
 _SYNCHRONIZED_CLASSES = {}  # original class -> its synchronized subclass

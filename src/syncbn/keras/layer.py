@@ -158,6 +158,12 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     # ------------------------------------------------------------------ build / config
 
     def build(self, input_shape):
+        if not isinstance(self, SyncBatchNormalization):
+            # Made a plain BatchNormalization in place before it was built
+            # (plain_in_place): Keras's per-object build wrapper, made with the object,
+            # still calls this method. Build it as what it now is.
+            keras.layers.BatchNormalization.build(self, input_shape)
+            return
         input_shape = tuple(input_shape)
         self._check_build_shape(input_shape)
         super().build(input_shape)
@@ -418,7 +424,11 @@ def plain_in_place(layer):
     """The inverse of :func:`synchronize_in_place`: make ``layer``, a
     :class:`SyncBatchNormalization` that nothing else references, a
     ``keras.layers.BatchNormalization`` without its verdict record, fit no longer kept
-    off XLA."""
+    off XLA. Unbuilt, it then builds as Keras's layer: Keras's per-object build wrapper
+    calls the build method of the class the object was constructed as, so a layer that
+    :func:`synchronize_in_place` made ours gets that wrapper back, and one constructed as
+    :class:`SyncBatchNormalization` builds through its :meth:`~SyncBatchNormalization.build`,
+    which defers to Keras's once the object is no longer ours."""
     layer.__class__ = keras.layers.BatchNormalization
     layer.synchronized = False
     layer.supports_jit = True
