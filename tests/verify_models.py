@@ -72,3 +72,33 @@ class Twice(nn.Module):
 
 def twice():
     return Twice()
+
+
+class RaisesOnRankOne(TinyResNet):
+    """Rank 1 raises before its first BN layer; rank 0 is left in that layer's collective."""
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("rank 1 cannot go on: the cause verify must show")
+        return super().forward(x)
+
+
+def raises_on_rank_one():
+    return RaisesOnRankOne()
+
+
+class LogOfConv(nn.Module):
+    """The log of a convolution's output: NaN wherever that output is negative, in one
+    process as on W (a model that diverged gives NaN the same way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x).log()).mean(dim=(2, 3))
+
+
+def log_of_conv():
+    return LogOfConv()

@@ -79,10 +79,11 @@ def test_usage_errors_exit_2(capsys):
     assert "no attribute" in capsys.readouterr().err
 
 
-def _verdict(ours, reference):
+def _verdict(ours, reference, tolerance=1e-6):
     """``verify.compare``'s verdict for one layer output, one buffer and one parameter,
-    where both ranks report ``ours`` and the one-process reference is ``reference``."""
-    spec = verify.VerifySpec(target="m:f", input_shape=(2, 3), world_size=2, tolerance=1e-6)
+    where both ranks report ``ours`` and the one-process reference is ``reference``
+    (the probes repeat the reference: rounding moves nothing)."""
+    spec = verify.VerifySpec(target="m:f", input_shape=(2, 3), world_size=2, tolerance=tolerance)
     half = ours.shape[0] // 2
 
     def rank(part):
@@ -151,3 +152,62 @@ def test_randomness_in_training_is_named(pool, one_thread):
     code, out = _verify(pool, "verify_zoo:timm_mobilenetv3_random", "float64", steps=1)
     assert code == 1, out
     assert "FAIL: the model is random in training" in out and "drop_path_rate=0" in out
+
+
+# ---- options, failures and models that verify must not misjudge ---------------------------
+
+
+def test_zero_tolerance_asks_for_an_exact_match():
+    """With --tolerance 0 and probes that move nothing, nothing is allowed: an exact match
+    passes, any difference fails (the allowance of 0 was divided by)."""
+    import torch
+
+    good = torch.linspace(-1.0, 2.0, 8, dtype=torch.float64).view(4, 2)
+    assert _verdict(good, good.clone(), tolerance=0.0)
+    assert not _verdict(good + 1e-12, good, tolerance=0.0)
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("--tolerance", "-1"), ("--tolerance", "nan"), ("--timeout", "0"), ("--timeout", "-5")],
+)
+def test_options_that_cannot_be_honoured_exit_2(capsys, option, value):
+    """A negative tolerance made every allowance negative, so every difference passed (a BN
+    left local included); a timeout of 0 or less killed the workers as they connected."""
+    assert verify.main(["verify_models:twice", "--input-shape", SHAPE, option, value]) == 2
+    assert f"{option} must be" in capsys.readouterr().err
+
+
+def test_the_rank_that_failed_first_is_the_one_shown():
+    """Rank 1 raises; rank 0, left in a collective, gives up at the timeout. The report
+    shows rank 1's error, not rank 0's timeout."""
+    spec = verify.VerifySpec("verify_models:raises_on_rank_one", (2, 3, 6, 6), steps=1, timeout=5, sys_path=[TESTS])
+    buf = io.StringIO()
+    assert verify.verify(spec, out=buf) == 1
+    out = buf.getvalue()
+    assert out.startswith("FAIL: the distributed run failed on rank 1 first; rank(s) [0] failed after it"), out
+    assert "ValueError: rank 1 cannot go on: the cause verify must show" in out
+
+
+def test_a_model_that_gives_nan_is_not_called_random(pool):
+    """NaN on both sides: a FAIL naming the NaN, not "random in training" (``torch.equal``
+    of a NaN with itself is False)."""
+    spec = verify.VerifySpec("verify_models:log_of_conv", (2, 3, 6, 6), world_size=pool.world_size, steps=1,
+                             sys_path=[TESTS])
+    buf = io.StringIO()
+    assert verify.verify(spec, out=buf, pool=pool) == 1
+    verdict = buf.getvalue().splitlines()[-1]
+    assert verdict.startswith("FAIL: the one-process run itself gives NaN or inf"), verdict
+    assert "'bn'" in verdict and "random" not in verdict
+
+
+def test_files_of_the_same_name_in_two_folders_are_two_models(tmp_path):
+    """``a/models.py:build`` and then ``b/models.py:build`` in one process: each builds
+    its own model (the second used to get the first file's factory)."""
+    for folder, channels in (("a", 4), ("b", 5)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "models.py").write_text(
+            f"import torch.nn as nn\n\ndef build():\n    return nn.BatchNorm2d({channels})\n"
+        )
+    built = [verify.load_factory(f"{tmp_path / folder / 'models.py'}:build")() for folder in ("a", "b")]
+    assert [m.num_features for m in built] == [4, 5]

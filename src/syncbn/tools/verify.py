@@ -33,7 +33,8 @@ processes trains exactly like one process on the concatenated batch.
    difference to allowance (PASS needs every ratio <= 1).
 6. Each step's one-process run is also repeated on the very same data with another random seed:
    if the two disagree, the model is random in training (dropout, drop-path, ...), no
-   comparison can mean anything, and verify FAILs saying so.
+   comparison can mean anything, and verify FAILs saying so. So it does when the one-process
+   run itself gives NaN or inf (the model diverges at this learning rate, dtype or input).
 
 Exit status 0 on PASS, 1 on FAIL (or when the run failed), 2 for a usage error.
 
@@ -42,7 +43,9 @@ ranks, or called more often on one rank than on another) would leave a rank wait
 for a collective that never comes. verify checks before every BN call, and at the end
 of every forward pass, that all ranks are about to run the same layer (one small
 all-gather), and stops every rank with a message naming the layers when they are not.
-Anything else that stalls is ended by the process group's timeout (``--timeout``).
+Anything else that stalls is ended by the process group's timeout (``--timeout``); when
+one rank raised and the others gave up waiting for it, the report shows the error of the
+rank that failed first.
 A layer called several times per step on every rank is fine (each call synchronizes);
 the table shows its call count.
 """
@@ -50,6 +53,7 @@ the table shows its call count.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -97,7 +101,41 @@ class VerifySpec:
         return self.tolerance if self.tolerance is not None else 100 * _EPS[self.dtype]
 
 
+def _check_spec(spec: VerifySpec) -> None:
+    """Raise :class:`UsageError` for options no run can honour: a negative (or NaN)
+    tolerance would make every allowance negative, and every difference pass; a timeout
+    that is not positive kills the workers before they connect."""
+    if spec.world_size < 2:
+        raise UsageError("--world-size must be at least 2")
+    if spec.steps < 1:
+        raise UsageError("--steps must be at least 1")
+    if spec.dtype not in _DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(_DTYPES)}, got {spec.dtype!r}")
+    if spec.tolerance is not None and not 0.0 <= spec.tolerance < float("inf"):
+        raise UsageError(f"--tolerance must be a finite number >= 0, got {spec.tolerance}")
+    if not 0.0 < spec.timeout < float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {spec.timeout}")
+
+
 # ---- building the model and the data, identically everywhere ------------------------------
+
+
+def _load_file(path: str):
+    """The module of the ``.py`` file at the absolute ``path``, executed once per process.
+
+    Its name holds a digest of the path, the same in every process (the workers of a
+    pool, the reference): named after the file alone, ``a/models.py`` and then
+    ``b/models.py`` checked in one process (two checks on one pool) both ran the first
+    file's model."""
+    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+    name = f"_syncbn_verify_{os.path.splitext(os.path.basename(path))[0]}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_factory(target: str, sys_path: Sequence[str] = ()):
@@ -114,14 +152,7 @@ def load_factory(target: str, sys_path: Sequence[str] = ()):
             path = os.path.abspath(module_name)
             if not os.path.isfile(path):
                 raise UsageError(f"no such file: {module_name}")
-            name = "_syncbn_verify_" + os.path.splitext(os.path.basename(path))[0]
-            if name in sys.modules:
-                module = sys.modules[name]
-            else:
-                spec = importlib.util.spec_from_file_location(name, path)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module
-                spec.loader.exec_module(module)
+            module = _load_file(path)
         else:
             module = importlib.import_module(module_name)
     except UsageError:
@@ -428,10 +459,14 @@ class _Quantity:
         return not self.mismatch and self.spread > 1e-2
 
     def ratio(self, tol: float) -> float:
-        """Difference over what is allowed (<= 1 passes)."""
+        """Difference over what is allowed (<= 1 passes; with nothing allowed, only an
+        exact match passes)."""
         if self.mismatch:
             return float("inf")
-        return self.diff / (_SPREAD_FACTOR * self.spread + tol)
+        allowed = _SPREAD_FACTOR * self.spread + tol
+        if allowed <= 0.0:
+            return 0.0 if self.diff == 0.0 else float("inf")
+        return self.diff / allowed
 
 
 @dataclass
@@ -448,19 +483,41 @@ class LayerRow:
         return max(v for v in (self.output, self.running_mean or 0.0, self.running_var or 0.0))
 
 
+def _identical(a, b) -> bool:
+    """Bit for bit the same values, a NaN matching a NaN (``torch.equal`` says a tensor
+    holding a NaN differs from itself)."""
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+
+
 def _random_in_training(runs: dict, step: int = 0) -> Optional[str]:
     """Where two one-process runs of step ``step`` on the same data from the same state
     (other random seeds) first differ."""
-    import torch
-
     ref, same = runs["ref"], runs["same"]
     for name, steps in ref["outputs"].items():
         for calls, other in zip(steps, same["outputs"][name]):
-            if len(other) != len(calls) or any(not torch.equal(a, b) for a, b in zip(calls, other)):
+            if len(other) != len(calls) or any(not _identical(a, b) for a, b in zip(calls, other)):
                 return f"the outputs of BatchNorm layer {name or '(model)'!r} at step {step + 1}"
     for key, value in ref["params"].items():
-        if not torch.equal(value, same["params"][key]):
+        if not _identical(value, same["params"][key]):
             return f"parameter {key!r} after step {step + 1}"
+    return None
+
+
+def _not_finite(ref: dict, step: int = 0) -> Optional[str]:
+    """Where the one-process run of step ``step`` itself first gives a NaN or an inf (then
+    neither side can be judged, and the model, not syncbn, is what to look at)."""
+    import torch
+
+    for name, steps in ref["outputs"].items():
+        for calls in steps:
+            if any(out.is_floating_point() and not torch.isfinite(out).all() for out in calls):
+                return f"the outputs of BatchNorm layer {name or '(model)'!r} at step {step + 1}"
+    for group in ("buffers", "params"):
+        for key, value in ref[group].items():
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                return f"{key!r} after step {step + 1}"
     return None
 
 
@@ -585,7 +642,18 @@ def _fmt(value: Optional[float]) -> str:
     return f"{value:.1e}"
 
 
-def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str] = (), random: Optional[str] = None) -> str:
+def format_report(
+    spec: VerifySpec,
+    rows,
+    params,
+    ok: bool,
+    notes: Sequence[str] = (),
+    random: Optional[str] = None,
+    not_finite: Optional[str] = None,
+) -> str:
+    """The table, the parameter line, the notes and the verdict. ``random``: where the model
+    showed it is random in training; ``not_finite``: where its one-process run gave NaN or
+    inf (either one is the verdict, a FAIL that no difference can explain)."""
     width = max([len("BatchNorm layer")] + [len(r.name) for r in rows])
     lines = [
         f"syncbn verify {spec.target}: {spec.world_size} ranks x input {tuple(spec.input_shape)}, "
@@ -616,7 +684,7 @@ def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str]
     for note in notes:
         lines.append(f"note: {note}")
     weak = params[3] if len(params) > 3 else []
-    if weak and not random:
+    if weak and not (random or not_finite):
         lines.append(
             f"note: at this input shape, rounding alone moves {len(weak)} parameter tensor(s) "
             f"by more than 1% (e.g. {weak[0]}): the model is that ill-conditioned here (small batches per "
@@ -630,6 +698,12 @@ def format_report(spec: VerifySpec, rows, params, ok: bool, notes: Sequence[str]
             f"random seeds differ ({random}), so syncbn's results cannot be compared with anything. Build the "
             "model with its randomness off (dropout, drop-path / stochastic depth / drop-connect, e.g. timm's "
             "and segmentation-models-pytorch's drop_rate=0, drop_path_rate=0) and run verify again."
+        )
+    elif not_finite:
+        lines.append(
+            f"FAIL: the one-process run itself gives NaN or inf ({not_finite}), so syncbn's results cannot be "
+            "compared with anything: the model diverges or computes NaN at this input, learning rate and "
+            "dtype. Make it train in one process first (a smaller --lr, another --dtype or input shape)."
         )
     else:
         lines.append(
@@ -666,6 +740,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="process-group timeout: the longest any collective may wait (default 60)")
 
 
+def _failure_report(errors: dict) -> str:
+    """What to show when ranks raised: the traceback of the rank that failed first.
+
+    ``errors`` (rank -> (exception, traceback text), from
+    :class:`~syncbn.tools.launch.WorkerError`) is in the order the failures arrived. A
+    rank that fails alone leaves the others waiting in a collective until the process
+    group's timeout, and their timeouts, reported later, say nothing of the cause."""
+    first = next(iter(errors))
+    later = sorted(rank for rank in errors if rank != first)
+    head = f"FAIL: the distributed run failed on rank {first}"
+    if later:
+        head += (
+            f" first; rank(s) {later} failed after it (a rank left waiting in a collective "
+            f"gives up at --timeout). Rank {first}'s error"
+        )
+    return f"{head}:\n{errors[first][1]}"
+
+
 def verify(spec: VerifySpec, out=None, pool=None) -> int:
     """Run the check and print the report to ``out``; returns the exit status.
 
@@ -676,6 +768,7 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
     out = out or sys.stdout
     from .launch import WorkerError, WorkerPool
 
+    _check_spec(spec)
     build_model(spec)  # fail early, here, on a bad factory
     job_timeout = spec.timeout * (spec.steps + 2) + 60
     try:
@@ -687,39 +780,33 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
             with WorkerPool(spec.world_size, backend="gloo", timeout=spec.timeout) as own:
                 ranks = own.run(_rank_job, spec, timeout=job_timeout)
     except WorkerError as exc:
-        first = exc.errors[min(exc.errors)]
         if any(isinstance(e, (LayerOrderError, UsageError)) for e, _ in exc.errors.values()):
             error = next(e for e, _ in exc.errors.values() if isinstance(e, (LayerOrderError, UsageError)))
             print(f"FAIL: {error}", file=out)
             return 2 if isinstance(error, UsageError) else 1
-        print(f"FAIL: the distributed run failed on rank(s) {sorted(exc.errors)}:", file=out)
-        print(first[1], file=out)
+        print(_failure_report(exc.errors), file=out)
         return 1
     except TimeoutError as exc:
         print(f"FAIL: {exc} (a collective or a step did not finish within the timeouts)", file=out)
         return 1
-    rows = params = random = None
+    rows = params = random = not_finite = None
     ok = True
     for step in range(spec.steps):  # each step from the same state: rank 0's after the step before
         runs = _references(spec, _start_state(ranks[0]["initial"], ranks[0], step), step)
         random = random or _random_in_training(runs, step)
+        not_finite = not_finite or _not_finite(runs["ref"], step)
         step_rows, step_params, step_ok = compare(spec, [_rank_view(r, step) for r in ranks], runs)
         rows, params = _merge(rows, params, step_rows, step_params, step)
         ok &= step_ok
         del runs
-    print(format_report(spec, rows, params, ok and not random, ranks[0]["notes"], random), file=out)
+    ok = ok and not (random or not_finite)
+    print(format_report(spec, rows, params, ok, ranks[0]["notes"], random, not_finite), file=out)
     out.flush()
-    return 0 if ok and not random else 1
+    return 0 if ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``syncbn verify`` subcommand (see :mod:`syncbn.cli`)."""
-    if args.world_size < 2:
-        print("syncbn verify: --world-size must be at least 2", file=sys.stderr)
-        return 2
-    if args.steps < 1:
-        print("syncbn verify: --steps must be at least 1", file=sys.stderr)
-        return 2
     spec = VerifySpec(
         target=args.target,
         input_shape=tuple(args.input_shape),
