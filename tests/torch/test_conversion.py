@@ -647,3 +647,23 @@ def test_why_syncbn_is_not_a_torch_sync_batchnorm_subclass(pool):
     as_ours = pool.run(_ddp_accepts, False)
     assert all("SyncBatchNorm layers only work with GPU modules" in r for r in as_subclass), as_subclass
     assert as_ours == ["accepted"] * len(as_ours)
+
+
+@pytest.mark.parametrize("cleared", [("running_mean", "running_var"), ("num_batches_tracked",)])
+def test_buffers_set_to_none_stay_none_through_convert_and_revert(cleared):
+    """torch's BN normalizes with batch statistics in eval mode once its running buffers are
+    set to None; the converted and the reverted layer hold None there too (as torch's own
+    converter gives), not the empty placeholders the new layer was built with."""
+    bn = nn.BatchNorm2d(3)
+    for name in cleared:
+        setattr(bn, name, None)
+    x = torch.randn(4, 3, 2, 2) * 2 + 1
+    expected = bn.eval()(x)
+    synced = syncbn.convert_sync_batchnorm(nn.Sequential(bn))[0]
+    back = syncbn.revert_sync_batchnorm(nn.Sequential(synced))[0]
+    for layer in (synced, back):
+        for name in cleared:
+            assert getattr(layer, name) is None, (type(layer).__name__, name)
+        assert all(t.device.type == "cpu" for t in layer.state_dict().values())
+        assert list(layer.state_dict()) == list(bn.state_dict())
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)

@@ -63,14 +63,18 @@ def _is_plain(module: nn.Module) -> bool:
 
 
 def _move_state(src: nn.Module, dst: nn.Module) -> nn.Module:
-    """Give ``dst`` the parameters, buffers and flags of ``src`` (the same tensors)."""
+    """Give ``dst`` the parameters, buffers and flags of ``src`` (the same tensors).
+
+    A batch-norm buffer that ``src`` lacks or holds as None (``bn.running_mean = None``,
+    torch's way to normalize with batch statistics in eval mode) is None in ``dst``
+    too, not the placeholder ``dst`` was built with (on the meta device)."""
     for name in ("weight", "bias"):  # a BN built with bias=False keeps no bias
         if name in dst._parameters:
             dst._parameters[name] = src._parameters.get(name)
     for name, buf in src.named_buffers(recurse=False):
         dst._buffers[name] = buf
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        if name in dst._buffers and name not in src._buffers:
+    for name in _BN_BUFFERS:
+        if name in dst._buffers and src._buffers.get(name) is None:
             dst._buffers[name] = None
     dst.train(src.training)
     if hasattr(src, "qconfig"):
