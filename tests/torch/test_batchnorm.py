@@ -226,3 +226,41 @@ def test_eval_without_group_uses_running_stats():
     # float32: the kernel's x * a + b against (x - m) / sqrt(v + eps), |x| <~ 4, |m| ~ 5, v ~ 4:
     # a few roundings of u = 6e-8 times values of size <~ 5, ~1e-6; default atol 1e-5 (+ rtol 1.3e-6)
     torch.testing.assert_close(bn(x), expected)
+
+
+# layer dtype, input dtype: the mixes torch's CPU batch norm refuses, and two it takes
+_DTYPE_MIXES = [
+    (torch.float64, torch.float32), (torch.float32, torch.float64), (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float16), (torch.float64, torch.bfloat16),
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+]
+
+
+def _train_once(layer, input_dtype):
+    """'ok' and the output's dtype, or the error's type, after one training call."""
+    try:
+        return "ok", layer(torch.randn(4, 3, 2).to(input_dtype)).dtype
+    except RuntimeError as err:
+        return "RuntimeError", str(err)
+
+
+def _dtype_mix_job(layer_dtype, input_dtype):
+    return _train_once(syncbn.SyncBatchNorm(3, dtype=layer_dtype), input_dtype)
+
+
+@pytest.mark.parametrize("layer_dtype,input_dtype", _DTYPE_MIXES, ids=str)
+def test_synchronized_training_takes_the_dtype_mixes_torch_takes(pool, layer_dtype, input_dtype):
+    """Across ranks the layer refuses what torch.nn.BatchNorm1d (and the layer itself in one
+    process) refuses, before any collective; it used to compute any mix, so a model trained
+    distributed and failed alone or in eval."""
+    expected = _train_once(nn.BatchNorm1d(3, dtype=layer_dtype), input_dtype)
+    alone = _train_once(syncbn.SyncBatchNorm(3, dtype=layer_dtype), input_dtype)
+    ranks = pool.run(_dtype_mix_job, layer_dtype, input_dtype)
+    for got in [alone, *ranks]:
+        assert got[0] == expected[0], (got, expected)
+        if got[0] == "ok":
+            assert got[1] == expected[1] == input_dtype
+    if expected[0] != "ok":
+        assert all("mixed dtype" in message and "SyncBatchNorm" in message for _, message in ranks)
+    # and the group is fine afterwards
+    assert pool.run(_dtype_mix_job, torch.float32, torch.float32) == [("ok", torch.float32)] * len(ranks)

@@ -1405,3 +1405,22 @@ def test_never_hands_functional_batch_norm_a_zero_eps(monkeypatch, layout, dtype
                 assert torch.isfinite(y).all()
                 (g,) = torch.autograd.grad(y.float().square().sum(), src)
                 assert torch.isfinite(g).all() and g.dtype == dtype
+
+
+@pytest.mark.parametrize("layer_dtype,input_dtype", [
+    (torch.float64, torch.float32), (torch.float32, torch.float64), (torch.bfloat16, torch.float16),
+    (torch.float32, torch.bfloat16),
+], ids=str)
+def test_training_takes_the_dtype_mixes_batchnorm_takes(layer_dtype, input_dtype):
+    """In training the layer refuses the mixes of layer and input dtype that BatchNorm (and
+    the layer itself in eval mode) refuses on the CPU, instead of computing them."""
+    x = torch.randn(4, 3, 5).to(input_dtype)
+    layer = syncbn.SyncBatchNormAct(3, "leaky_relu", 0.1, dtype=layer_dtype)
+    try:
+        expected = nn.LeakyReLU(0.1)(nn.BatchNorm1d(3, dtype=layer_dtype)(x))
+    except RuntimeError:
+        with pytest.raises(RuntimeError, match="SyncBatchNormAct: mixed dtype"):
+            layer(x)
+        assert int(layer.num_batches_tracked) == 1  # counted before the refusal, as torch.nn does
+        return
+    torch.testing.assert_close(layer(x), expected)

@@ -44,7 +44,7 @@ from torch import Tensor
 from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "check_input", "recomputing", "refuse_create_graph"]
+__all__ = ["sync_batch_norm", "check_input", "check_dtypes", "recomputing", "refuse_create_graph"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -138,6 +138,31 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
         )
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_dtypes(input: Tensor, weight, bias, running_mean, running_var, name: str = "sync_batch_norm") -> None:
+    """Refuse, on the CPU, the dtype mixes that torch's CPU batch norm refuses: the weight,
+    bias and running buffers given must share one dtype, the input's, or float32 for a
+    float16/bfloat16 input. The synchronized paths would compute any mix, so without this
+    a model would train with W > 1 ranks and fail alone (or in eval) with the same layers.
+    Other devices are left to their own paths. Depends only on the call: every rank alike."""
+    if input.device.type != "cpu":
+        return
+    given = {key: t.dtype for key, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
+                                          ("running_var", running_var)) if t is not None}
+    kinds = set(given.values())
+    if not kinds or kinds == {input.dtype} or (input.dtype in _HALF and kinds == {torch.float32}):
+        return
+    allowed = f"{input.dtype}" + (" or all torch.float32" if input.dtype in _HALF else "")
+    found = ", ".join(f"{key} {dtype}" for key, dtype in given.items())
+    raise RuntimeError(
+        f"{name}: mixed dtype: for a {input.dtype} input the weight, bias and running buffers must all be "
+        f"{allowed} (as torch.nn's batch norm requires on the CPU), got {found}; convert the input or the "
+        f"layer (layer.to(dtype))"
+    )
 
 
 class _SyncBatchNorm(torch.autograd.Function):
@@ -491,6 +516,8 @@ def sync_batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    check_dtypes(input, weight, bias, running_mean, running_var,
+                 name or (type(layer).__name__ if layer is not None else "sync_batch_norm"))
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
 
 
