@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -433,8 +434,8 @@ def test_batchnorm2d_checkpoint_loads_and_matches():
         ({"activation": "leaky_relu", "activation_param": -0.1}, "positive negative slope"),
         ({"activation": "elu", "activation_param": 0.0}, "alpha.*> 0"),
         ({"activation": "elu", "activation_param": -1.0}, "alpha.*> 0"),
-        ({"activation": "elu", "activation_param": float("nan")}, "finite number"),
-        ({"activation": "leaky_relu", "activation_param": "0.1"}, "finite number"),
+        ({"activation": "elu", "activation_param": float("nan")}, "finite real number"),
+        ({"activation": "leaky_relu", "activation_param": "0.1"}, "finite real number"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):
@@ -1424,3 +1425,56 @@ def test_training_takes_the_dtype_mixes_batchnorm_takes(layer_dtype, input_dtype
         assert int(layer.num_batches_tracked) == 1  # counted before the refusal, as torch.nn does
         return
     torch.testing.assert_close(layer(x), expected)
+
+
+@pytest.mark.parametrize("path", ["local", "general"])
+@pytest.mark.parametrize("dtype,slope", [(torch.float64, 1e-310), (torch.float32, 1e-40)], ids=["float64", "float32"])
+def test_slope_too_small_for_its_reciprocal_matches_leaky_relu(monkeypatch, path, dtype, slope):
+    """A negative slope below 1 / max of the dtype, which torch's LeakyReLU takes: 1 / slope
+    overflows (inf in float64 gave NaN gradients; float32 raised), so the negative side is
+    inverted by dividing by the slope.
+
+    Tolerances: the negative outputs ``z * slope`` are subnormal, rounded to within half
+    their spacing (2**-1075 in float64, 2**-150 in float32), so the recovered ``z`` is off
+    by at most 2**-1075 / 1e-310 ~ 2.5e-14 (float64) or 2**-150 / 1e-40 ~ 7e-6 (float32),
+    and ``xhat`` by that over |w| >= 0.5: ~5e-14 and ~1.4e-5, entering the gradients at
+    order one next to their largest value, beside float32's own rounding (~1e-6 over 30
+    values a channel). Relative to each reference's largest value: 1e-11 (float64, >100x
+    margin) and 1e-4 (float32, ~7x)."""
+    taken = []
+    fit = batchnorm_act._local_kernels_fit
+    monkeypatch.setattr(batchnorm_act, "_local_kernels_fit",
+                        lambda *args: taken.append(path) or (path == "local" and fit(*args)))
+    layer = _layer("leaky_relu", slope).to(dtype)
+    ref = _ref64(layer)
+    gen = torch.Generator().manual_seed(3)
+    x0 = (torch.randn(3, 4, 5, 2, generator=gen) + 0.3).to(dtype)
+    dy = torch.randn(x0.shape, generator=gen).to(dtype)
+    x = x0.clone().requires_grad_()
+    y = layer(x * 1)
+    y.backward(dy)
+    xr = x0.double().requires_grad_()
+    yr = ref(xr)
+    yr.backward(dy.double())
+    assert taken == [path] and (path == "general" or fit(x0, layer.weight, layer.bias, "leaky_relu", slope))
+    tol = 1e-11 if dtype == torch.float64 else 1e-4
+    _close64(y, yr, tol)
+    _close64(x.grad, xr.grad, tol)
+    _close64(layer.weight.grad, ref[0].weight.grad, tol)
+    _close64(layer.bias.grad, ref[0].bias.grad, tol)
+    _close64(layer.running_var, ref[0].running_var, tol)
+
+
+@pytest.mark.parametrize("param", [np.float32(0.25), np.float64(0.25), np.int64(2)], ids=repr)
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
+def test_numpy_scalar_activation_param_is_taken_as_torch_takes_it(activation, param):
+    """numpy scalars (np.float32 is no Python float) are accepted, as nn.LeakyReLU and
+    nn.ELU accept them, with the value torch uses; a bool or a tensor is refused with its type."""
+    layer = syncbn.SyncBatchNormAct(3, activation, param).double()
+    assert type(layer.activation_param) is float and layer.activation_param == float(param)
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    ref = nn.Sequential(nn.BatchNorm1d(3), torch_activation(activation, param)).double()
+    torch.testing.assert_close(layer(x), ref(x), rtol=1e-12, atol=1e-12)
+    for bad, name in ((True, "bool"), (torch.tensor(0.25), "Tensor")):
+        with pytest.raises(ValueError, match=rf"finite real number, got .* \({name}\)"):
+            syncbn.SyncBatchNormAct(3, activation, bad)

@@ -667,3 +667,47 @@ def test_buffers_set_to_none_stay_none_through_convert_and_revert(cleared):
         assert all(t.device.type == "cpu" for t in layer.state_dict().values())
         assert list(layer.state_dict()) == list(bn.state_dict())
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+def _two_pairs(second_activation):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1),
+                         nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), second_activation).double()
+
+
+@pytest.mark.parametrize("activation", [nn.LeakyReLU(float("inf")), nn.ELU(float("inf"))], ids=["leaky_relu", "elu"])
+def test_fusion_leaves_an_activation_parameter_the_fused_layer_refuses(activation):
+    """An infinite slope or alpha (torch's modules take it; SyncBatchNormAct refuses it) keeps
+    its pair as it is, and the pairs before it still fuse. Fusion raised on it, after it had
+    already put the first pair's fused layer in place with its LeakyReLU still behind it."""
+    model = _two_pairs(activation).eval()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    expected = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: such an activation is no candidate
+        syncbn.fuse_batchnorm_act(model)
+    assert isinstance(model[1], syncbn.SyncBatchNormAct) and type(model[4]) is nn.BatchNorm2d
+    assert model[5] is activation
+    torch.testing.assert_close(model(x), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+def test_fusion_that_fails_leaves_the_model_as_it_was(monkeypatch):
+    """Every fused layer is built before the model is changed: a failure building the second
+    leaves the first pair in place too (not a fused layer followed by its activation again)."""
+    from syncbn.torch import conversion
+
+    model = _two_pairs(nn.ELU(0.5)).eval()
+    before = list(model)
+    built = []
+
+    def failing(*args, **kwargs):
+        built.append(args[0])
+        if len(built) == 2:
+            raise RuntimeError("cannot build")
+        return fuse(*args, **kwargs)
+
+    fuse = conversion._fuse
+    monkeypatch.setattr(conversion, "_fuse", failing)
+    with pytest.raises(RuntimeError, match="cannot build"):
+        syncbn.fuse_batchnorm_act(model)
+    assert list(model) == before

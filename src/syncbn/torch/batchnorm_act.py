@@ -117,6 +117,7 @@ its input, which helps only where the next layer keeps that output too.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Optional
 
@@ -158,8 +159,12 @@ def _check_activation(activation, param):
             f"{', '.join(repr(a) for a in ACTIVATIONS)} (ReLU is not invertible: keep "
             "SyncBatchNorm followed by nn.ReLU for it)"
         )
-    if isinstance(param, bool) or not isinstance(param, (int, float)) or not math.isfinite(param):
-        raise ValueError(f"SyncBatchNormAct: activation_param must be a finite number, got {param!r}")
+    # numbers.Real: numpy's scalars too (np.float32 is no float), as torch's activations take them
+    if isinstance(param, bool) or not isinstance(param, numbers.Real) or not math.isfinite(param):
+        raise ValueError(
+            f"SyncBatchNormAct: activation_param must be a finite real number, got {param!r} "
+            f"({type(param).__name__})"
+        )
     param = float(param)
     if activation == "leaky_relu" and param <= 0:
         raise ValueError(
@@ -187,6 +192,16 @@ def _activate_(y: Tensor, activation: str, param: float) -> Tensor:
     return y
 
 
+def _leaky_inverse(y: Tensor, slope: float) -> Tensor:
+    """``z`` from ``y = leaky_relu(z, slope)``: one ``leaky_relu`` by ``1 / slope``, or,
+    for a slope whose reciprocal overflows ``y``'s dtype (below about 5.6e-309 in float64,
+    2.9e-39 in float32: torch takes such slopes), ``y / slope`` on the negative side."""
+    reciprocal = 1.0 / slope
+    if reciprocal <= torch.finfo(y.dtype).max:
+        return F.leaky_relu(y, reciprocal)
+    return torch.where(y > 0, y, y / slope)
+
+
 def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype, dy_owned: bool = False):
     """``(z, dz, owned)``: the activation's input recovered from its output and the
     gradient with respect to it, both in the compute dtype; ``owned`` tells whether
@@ -197,7 +212,7 @@ def _invert(y: Tensor, dy: Tensor, activation: str, param: float, cdtype, dy_own
     dyc = dy.to(cdtype)
     in_place = dy_owned or dyc is not dy
     if activation == "leaky_relu":
-        z = F.leaky_relu(yc, 1.0 / param)
+        z = _leaky_inverse(yc, param)
         if in_place:
             dz = torch.ops.aten.leaky_relu_backward.grad_input(dyc, yc, param, True, grad_input=dyc)
         else:
@@ -717,7 +732,7 @@ class _LocalBatchNormAct(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy, own_copy = _grad_in_layout(dy, y)
         if ctx.activation == "leaky_relu":
-            z = F.leaky_relu(y, 1.0 / ctx.param)
+            z = _leaky_inverse(y, ctx.param)
             if own_copy:  # dz over this call's own copy of dy: one buffer fewer
                 dz = torch.ops.aten.leaky_relu_backward.grad_input(dy, y, ctx.param, True, grad_input=dy)
             else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import operator
 import sys
 import warnings
@@ -360,11 +361,20 @@ class _FusedActivation(nn.Identity):
         return f"fused into the preceding SyncBatchNormAct: {self._syncbn_original!r}"
 
 
+def _positive_finite(value) -> bool:
+    try:
+        value = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return math.isfinite(value) and value > 0
+
+
 def _activation_spec(m: nn.Module):
-    """``(activation, param)`` for an activation module SyncBatchNormAct can absorb."""
-    if type(m) is nn.LeakyReLU and m.negative_slope > 0:
+    """``(activation, param)`` for an activation module SyncBatchNormAct can absorb (a
+    parameter SyncBatchNormAct refuses, such as an infinite slope, leaves the pair as it is)."""
+    if type(m) is nn.LeakyReLU and _positive_finite(m.negative_slope):
         return "leaky_relu", float(m.negative_slope)
-    if type(m) is nn.ELU and m.alpha > 0:
+    if type(m) is nn.ELU and _positive_finite(m.alpha):
         return "elu", float(m.alpha)
     # nn.Identity is never fused: it saves nothing, and the module after it (timm's
     # drop_block placeholder is followed by ReLU(inplace=True)) may overwrite the output
@@ -728,8 +738,8 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
 
     Batch norms: ``torch.nn.BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and
     :class:`syncbn.SyncBatchNorm` (not subclasses that override ``forward``, nor
-    uninitialized lazy ones). Activations: ``nn.LeakyReLU`` with a positive slope,
-    ``nn.ELU`` with a positive alpha. ``nn.ReLU`` (and slope 0) is not invertible, and a
+    uninitialized lazy ones). Activations: ``nn.LeakyReLU`` with a positive finite slope,
+    ``nn.ELU`` with a positive finite alpha. ``nn.ReLU`` (and slope 0) is not invertible, and a
     batch norm followed by ``nn.Identity`` is never fused (nothing to save, and the next
     module may work in place on the output): those pairs stay as they are, as does
     everything else.
@@ -820,14 +830,17 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
             + "; ".join(f"{name} ({why})" for name, why in sorted(refused.items())),
             stacklevel=2,
         )
-    placeholders = {}
+    # every fused layer is built before the model changes: one that fails leaves it as it was
+    placeholders, layers = {}, {}
     for bn_name, (act_name, spec, fresh, guard) in pairs.items():
         act = module.get_submodule(act_name)
         new, placeholder = _fuse(module.get_submodule(bn_name), act, spec, process_group, inplace and fresh)
         if guard:
             new.__dict__["_syncbn_fusion_guard"] = _FusionGuard(guard)
-        _set_submodule(module, bn_name, new)
+        layers[bn_name] = new
         placeholders.setdefault(act_name, placeholder)
+    for bn_name, new in layers.items():
+        _set_submodule(module, bn_name, new)
     for act_name, placeholder in placeholders.items():
         _set_submodule(module, act_name, placeholder)
     name_layers(module)
