@@ -330,6 +330,42 @@ def trainable_false_then_true():
 
 
 @check
+def integer_and_boolean_inputs():
+    """Integer and boolean inputs (uint8 pixels, 0/1 flags) are accepted as Keras's
+    layer accepts them: normalized in float32, in training and in inference, with the
+    output and moving statistics of ``keras.layers.BatchNormalization`` on the same
+    values; a complex input is refused with a TypeError naming its dtype."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization as Sync
+
+    rng = np.random.default_rng(11)
+    info = {}
+    for dtype in ("uint8", "int32", "int64", "bool"):
+        x = rng.integers(0, 2 if dtype == "bool" else 200, (6, 4, 3)).astype(dtype)
+        outs = []
+        for cls in (keras.layers.BatchNormalization, Sync):
+            layer = built(cls, (None, 4, 3), 12, momentum=0.6)
+            trained = layer(x, training=True)
+            inferred = layer(x, training=False)
+            dtypes = {keras.backend.standardize_dtype(y.dtype) for y in (trained, inferred)}
+            assert dtypes == {"float32"}, (cls.__name__, dtype, dtypes)
+            outs.append((to_numpy(trained), to_numpy(inferred), weights(layer)))
+        (keras_train, keras_infer, keras_w), (train, infer, w) = outs
+        info[dtype] = assert_close(train, keras_train, 1e-4, 1e-4, f"{dtype} training")
+        assert_close(infer, keras_infer, 1e-5, 1e-5, f"{dtype} inference")
+        for key in keras_w:
+            assert_close(w[key], keras_w[key], 1e-5, 1e-5, f"{dtype} {key}")
+    try:
+        Sync()(np.ones((2, 3), np.complex64), training=True)
+    except TypeError as err:
+        assert "complex64" in str(err), str(err)
+    else:
+        raise AssertionError("a complex input was accepted")
+    return info
+
+
+@check
 def renorm_matches_formula_and_inference():
     """Batch renormalization: output and every moving statistic follow Ioffe's formulas
     with Keras's conventions (float64 oracle); inference equals the plain layer's."""

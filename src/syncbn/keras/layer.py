@@ -54,9 +54,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     m0) * s)`` around this replica's own mean ``m0``, see
     :func:`syncbn.keras.moments.train_normalize`), which keeps full precision for
     inputs far from zero.
-    Half-precision inputs are normalized in float32; statistics and moving averages are
-    float32. ``gamma``/``beta`` gradients
-    are this replica's own sums, which the strategy aggregates as for any weight.
+    Half-precision, integer and boolean inputs are normalized in float32 (output in the
+    layer's compute dtype, as Keras's); statistics and moving averages are float32.
+    ``gamma``/``beta`` gradients are this replica's own sums, which the strategy
+    aggregates as for any weight.
 
     With ``renorm=True`` (batch renormalization), the corrections ``r`` and ``d`` and
     the renorm moving statistics are computed from the synchronized batch statistics.
@@ -213,7 +214,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def call(self, inputs, training=None, mask=None):
         self._check_call_input(inputs, mask)
-        # Half inputs are normalized in float32, float64 ones in float64 (as Keras does).
+        # Half, integer and boolean inputs are normalized in float32, float64 ones in
+        # float64 (as Keras does).
         dtype = keras.backend.result_type(inputs.dtype, "float32")
         x = ops.cast(inputs, dtype)
         gamma = ops.cast(self.gamma, dtype) if self.scale else None
@@ -252,13 +254,17 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         return ops.cast(self._normalize(x, mean, var, gamma, beta), self.compute_dtype)
 
     def _check_call_input(self, inputs, mask):
-        """Errors that depend only on shapes and dtypes, so every replica raises alike."""
+        """Errors that depend only on shapes and dtypes, so every replica raises alike.
+
+        Integer and boolean inputs are accepted, as Keras's layer accepts them (it
+        normalizes them in float32); a dtype that does not promote to a float with
+        float32 (complex) is refused rather than cast."""
         dtype = keras.backend.standardize_dtype(inputs.dtype)
-        if "float" not in dtype:
+        if "float" not in keras.backend.result_type(dtype, "float32"):
             raise TypeError(
-                f"{self.name}: expected a floating-point input, got dtype {dtype} "
-                f"(shape {tuple(inputs.shape)}); cast it first, e.g. "
-                f"keras.ops.cast(x, 'float32')"
+                f"{self.name}: expected a real (floating-point, integer or boolean) "
+                f"input, got dtype {dtype} (shape {tuple(inputs.shape)}); cast it first, "
+                f"e.g. keras.ops.cast(keras.ops.real(x), 'float32')"
             )
         rank = len(inputs.shape)
         channels = self.moving_mean.shape[0]
