@@ -5,12 +5,19 @@ descriptors and threads stay as they were. The full run is ``syncbn soak`` (5,00
 from syncbn.tools.soak import process_figures, soak, soak_reset
 
 
-def test_short_soak_stays_flat(pool):
+def soak_on(pool, steps, every):
+    """A soak at W = 2 on the pool (warm-up 50 steps, 10 MB allowed), reset afterwards;
+    returns its result and the lines it said."""
     lines = []
     try:
-        result = soak(pool.run, 2, steps=200, every=50, warmup=50, max_growth_mb=10, say=lines.append)
+        result = soak(pool.run, 2, steps=steps, every=every, warmup=50, max_growth_mb=10, say=lines.append)
     finally:
         pool.run(soak_reset)
+    return result, lines
+
+
+def test_short_soak_stays_flat(pool):
+    result, lines = soak_on(pool, steps=200, every=50)
     print("\n".join(lines))
     assert result["passed"], "\n".join(lines)
     assert [s[0]["step"] for s in result["samples"]] == [50, 100, 150, 200]
@@ -26,11 +33,7 @@ def test_process_figures_see_a_new_descriptor(tmp_path):
 
 def test_a_run_that_ends_within_the_warm_up_fails(pool):
     """Nothing measured after the warm-up is no evidence: the verdict says so."""
-    lines = []
-    try:
-        result = soak(pool.run, 2, steps=40, every=20, warmup=50, max_growth_mb=10, say=lines.append)
-    finally:
-        pool.run(soak_reset)
+    result, lines = soak_on(pool, steps=40, every=20)
     assert not result["passed"] and "no sample after the warm-up" in result["verdict"], "\n".join(lines)
 
 

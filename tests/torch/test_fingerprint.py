@@ -76,6 +76,13 @@ def three_layers(cls=None, channels=(8, 8, 8)):
     return syncbn.convert_sync_batchnorm(nn.Sequential(*[nn.BatchNorm2d(c) for c in channels]))
 
 
+def on_group(model, group):
+    """Have every synchronized layer of ``model`` communicate over ``group``."""
+    for m in model.modules():
+        if hasattr(m, "process_group"):
+            m.process_group = group
+
+
 def buffers(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -98,9 +105,7 @@ def order_job(world, orders, kind, immediate=True, forced=False, poison=False):
         fingerprint.IMMEDIATE_DEVICES.clear()
     try:
         model = three_layers(kind)
-        for m in model.modules():
-            if hasattr(m, "process_group"):
-                m.process_group = group
+        on_group(model, group)
         before = buffers(model)
         rank = dist.get_rank()
         x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank)) + 2
@@ -209,9 +214,7 @@ def backward_order_job(immediate=True):
         fingerprint.IMMEDIATE_DEVICES.clear()
     try:
         model = three_layers()
-        for m in model.modules():
-            if hasattr(m, "process_group"):
-                m.process_group = group
+        on_group(model, group)
         rank = dist.get_rank()
         x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
         outs = [model[0](x), model[1](x)]
@@ -281,9 +284,7 @@ def subgroup_job(immediate):
         if dist.get_rank() not in (1, 3):
             return None
         model = three_layers()
-        for m in model.modules():
-            if hasattr(m, "process_group"):
-                m.process_group = group
+        on_group(model, group)
         order = [0, 1] if dist.get_rank() == 1 else [1, 0]
         x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
         try:
@@ -318,9 +319,7 @@ def no_grad_extra_job():
         return None
     try:
         model = three_layers()
-        for m in model.modules():
-            if hasattr(m, "process_group"):
-                m.process_group = group
+        on_group(model, group)
         rank = dist.get_rank()
         x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
         model(x).backward(torch.randn(3, 8, 4, 4))
