@@ -47,6 +47,20 @@ class _SyncNormBase(_BatchNorm):
             self.register_parameter("bias", None)
         self.process_group = process_group
 
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this on every submodule before compiling: refuse
+        with the fix, rather than fail deep in TorchScript's compiler (the forward calls
+        an autograd Function and ``torch.distributed``; torch.nn.SyncBatchNorm does not
+        script either). Raised before the model is changed, alike on every rank."""
+        name = type(self).__name__
+        raise RuntimeError(
+            f"syncbn.{name} cannot be compiled by torch.jit.script (torch.nn.SyncBatchNorm cannot "
+            f"either). Call syncbn.revert_sync_batchnorm(model) first: it turns the layers back into "
+            f"torch's own batch norms in place, with the same parameters and state_dict "
+            f"(convert_sync_batchnorm again to go on training). Or, for inference, export the "
+            f"eval-mode model as it is with torch.export.export or torch.jit.trace."
+        )
+
     def _check_input_dim(self, input: Tensor) -> None:
         check_input(input, self.num_features, type(self).__name__)
 

@@ -778,7 +778,7 @@ def _eval_buffers(running_mean, running_var, needs_grad: bool):
     """The running buffers for an eval-mode call: copies when a gradient may be asked
     for, so a later training forward (which updates the buffers in place) cannot change
     what this call's backward reads; the buffers themselves otherwise."""
-    if not needs_grad:
+    if not needs_grad and not torch.jit.is_tracing():  # a trace: alike with and without grad
         return running_mean, running_var
     return (None if running_mean is None else running_mean.clone(),
             None if running_var is None else running_var.clone())
