@@ -58,6 +58,10 @@ class Case:
     eval_size: int = 2
     input_grad: bool = True
     frozen_inputs: tuple = ()  # ranks whose input needs no gradient (with input_grad)
+    # strides of the inputs given to the layer (values unchanged): "dense" (the format above),
+    # "channels_inner" (channels fastest in memory, the spatial dims still merging into one),
+    # "spatial_reversed" (spatial dims reversed in memory: they no longer merge without a copy)
+    strides: str = "dense"
     tags: tuple = field(default=(), compare=False)
 
     @property
@@ -103,6 +107,17 @@ def _memory_format(case: Case):
     if case.channels_last and case.ndim == 5:
         return torch.channels_last_3d
     return torch.contiguous_format
+
+
+def lay_out(x: torch.Tensor, case: Case, fmt) -> torch.Tensor:
+    """``x`` (same values) in the case's memory format and strides."""
+    if case.strides == "channels_inner":
+        return x.movedim(1, -1).contiguous().movedim(-1, 1)
+    if case.strides == "spatial_reversed":
+        order = [0, 1] + list(range(x.dim() - 1, 1, -1))
+        return x.permute(order).contiguous().permute(order)
+    assert case.strides == "dense", case.strides
+    return x.contiguous(memory_format=fmt)
 
 
 def build_module(case: Case, data, group):
@@ -160,7 +175,7 @@ def run_case(case: Case):
     module = build_module(case, data, group)
     result = {"steps": [], "formats_kept": True}
     for xs, dys in data["steps"]:
-        x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(case.input_grad_on(rank))
+        x = lay_out(xs[rank].to(dtype), case, fmt).requires_grad_(case.input_grad_on(rank))
         y = module(x)
         backward_and_record(result, module, x, y, dys[rank].to(dtype), fmt, case.input_grad_on(rank))
     result["buffers"] = {
@@ -168,7 +183,7 @@ def run_case(case: Case):
     }
     result["buffer_dtypes"] = {name: buf.dtype for name, buf in module.named_buffers()}
     module.eval()
-    result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
+    result["eval"] = module(lay_out(data["eval"][rank].to(dtype), case, fmt)).detach().double()
     return result
 
 

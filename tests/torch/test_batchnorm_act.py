@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import syncbn
 from syncbn.torch import BatchNormNd, batchnorm_act, fingerprint, stats
-from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, make_data, max_rel_err, oracle
+from bn_oracle import DTYPES, TOL, Case, backward_and_record, check_case, lay_out, make_data, max_rel_err, oracle
 from syncbn.tools.memory import peak_memory, saved_bytes, saved_tensors
 from syncbn.tools.traffic import record_collectives
 from workers import group_of, in_group
@@ -108,7 +108,7 @@ def run_act_case(case: ActCase):
     chain = nn.Sequential(producer, module)
     result = {"steps": [], "formats_kept": True, "in_place": []}
     for i, (xs, dys) in enumerate(data["steps"]):
-        x = xs[rank].to(dtype).contiguous(memory_format=fmt).requires_grad_(base.input_grad_on(rank))
+        x = lay_out(xs[rank].to(dtype), base, fmt).requires_grad_(base.input_grad_on(rank))
         if i % 2 == 0:  # inplace=True: overwrites the fresh copy
             module.inplace = True
             y = chain(x)
@@ -123,7 +123,7 @@ def run_act_case(case: ActCase):
                             through_product=i % 2 == 1)
     result["buffers"] = {n: None if b is None else b.detach().double().clone() for n, b in module.named_buffers()}
     module.eval()
-    result["eval"] = module(data["eval"][rank].to(dtype)).detach().double()
+    result["eval"] = module(lay_out(data["eval"][rank].to(dtype), base, fmt)).detach().double()
     return result
 
 
@@ -143,8 +143,10 @@ def act_oracle(case: ActCase):
 def check_act_case(case: ActCase, results) -> dict:
     """In place on the steps that allow it (even ones), out of place on the others, and
     everything else as the batch-norm oracle check with the activation's oracle."""
+    dense = case.base.strides == "dense"  # other strides: never in place (not dense in a format)
     for r in results[: case.base.world]:
-        assert all(r["in_place"][0::2]) and not any(r["in_place"][1::2]), r["in_place"]
+        assert (all(r["in_place"][0::2]) if dense else not any(r["in_place"])), r["in_place"]
+        assert not any(r["in_place"][1::2]), r["in_place"]
     return check_case(case.base, results, ref=act_oracle(case), label=case)
 
 
@@ -182,6 +184,36 @@ def _grid():
     "case", _grid(), ids=lambda c: f"W{c.base.world}-{c.base.ndim}d-{c.base.dtype}-{c.activation}-{c.base.sizes}"
 )
 def test_matches_oracle(pool, case):
+    check_act_case(case, pool.run(run_act_case, case))
+
+
+# Inputs of more than 5 dims (as SyncBatchNorm, as torch.nn.SyncBatchNorm): one rank (torch's
+# kernels, then the general path for ELU) and several, an empty rank, half inputs, strides
+# other than the standard ones (those never in place); even steps in place where dense
+HIGH_RANK = [
+    ActCase(Case(world=1, sizes=(3,), tail=(2, 3, 2, 2), channels=3, dtype="float32", steps=2), "leaky_relu", 0.1),
+    ActCase(Case(world=1, sizes=(3,), tail=(2, 1, 3, 2), channels=2, dtype="float64", steps=2, seed=1), "elu", 1.0),
+    ActCase(Case(world=2, sizes=(2, 3), tail=(2, 1, 3, 2), channels=4, dtype="float64", steps=2, momentum=None,
+                 seed=2), "elu", 0.3),
+    ActCase(Case(world=3, sizes=(2, 0, 3), tail=(3, 2, 1, 2, 2), channels=2, dtype="float32", steps=2, seed=3),
+            "leaky_relu", 0.01),
+    ActCase(Case(world=2, sizes=(3, 2), tail=(2, 2, 3, 2), dtype="bfloat16", param_dtype="float32", steps=2,
+                 seed=4), "identity", 0.01),
+    ActCase(Case(world=2, sizes=(2, 2), tail=(2, 2, 3, 2), dtype="float16", steps=2, seed=5), "leaky_relu", 0.2),
+    ActCase(Case(world=2, sizes=(3, 2), tail=(2, 3, 2, 2), dtype="float32", strides="channels_inner", steps=2,
+                 seed=6), "leaky_relu", 0.2),
+    ActCase(Case(world=3, sizes=(2, 2, 1), tail=(3, 2, 2, 2), dtype="float64", strides="spatial_reversed",
+                 track=False, steps=2, seed=7), "elu", 1.0),
+    ActCase(Case(world=1, sizes=(4,), tail=(2, 3, 2, 2), dtype="float32", strides="spatial_reversed", steps=2,
+                 seed=8), "leaky_relu", 0.01),
+]
+
+
+@pytest.mark.parametrize("case", HIGH_RANK, ids=lambda c: f"W{c.base.world}-{c.base.ndim}d-{c.base.dtype}-"
+                         f"{c.base.strides}-{c.activation}-{c.base.sizes}")
+def test_inputs_of_more_than_five_dims_match_oracle(pool, case):
+    """SyncBatchNormAct takes the inputs of 6 and 7 dims that torch.nn.SyncBatchNorm takes
+    (it refused them), in place and out of place, against the float64 oracle."""
     check_act_case(case, pool.run(run_act_case, case))
 
 
@@ -445,7 +477,7 @@ def test_bad_constructor_arguments(kwargs, match):
 
 def test_bad_input_names_the_problem():
     layer = syncbn.SyncBatchNormAct(4)
-    with pytest.raises(ValueError, match="2D to 5D"):
+    with pytest.raises(ValueError, match="at least 2D input"):
         layer(torch.randn(4))
     with pytest.raises(ValueError, match="expected 4 channels"):
         layer(torch.randn(2, 3, 5))

@@ -711,3 +711,78 @@ def test_fusion_that_fails_leaves_the_model_as_it_was(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot build"):
         syncbn.fuse_batchnorm_act(model)
     assert list(model) == before
+
+
+class _SixDimHead(nn.Module):
+    """A model whose batch norm sees (N, 3, 2, 2, 2, 2) inputs: torch.nn.SyncBatchNorm takes
+    them (any rank from 2), so such a model exists before conversion."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(5, 48)
+        self.bn = nn.SyncBatchNorm(3)
+        self.act = nn.LeakyReLU(0.1)
+
+    def forward(self, x):
+        return self.act(self.bn(self.lin(x).view(x.shape[0], 3, 2, 2, 2, 2)))
+
+
+def _six_dim_data(sizes):
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(n, 5, generator=gen, dtype=torch.float64) * 2 + 1 for n in sizes]
+    dys = [torch.randn(n, 3, 2, 2, 2, 2, generator=gen, dtype=torch.float64) for n in sizes]
+    return xs, dys
+
+
+def _six_dim_job(world, sizes, fuse):
+    from workers import group_of, in_group
+
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    rank = torch.distributed.get_rank()
+    xs, dys = _six_dim_data(sizes)
+    model = _SixDimHead().double()
+    model = (syncbn.fuse_batchnorm_act if fuse else syncbn.convert_sync_batchnorm)(model, process_group=group)
+    layer = model.bn
+    y = model(xs[rank])
+    y.backward(dys[rank])
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.eval()
+    evaluated = model(xs[rank])
+    reverted = syncbn.revert_sync_batchnorm(model)
+    return {"type": type(layer).__name__, "y": y.detach(), "grads": grads, "eval": evaluated.detach(),
+            "reverted_eval": reverted(xs[rank]).detach(), "reverted": type(reverted.bn).__name__,
+            "buffers": {k: v.clone() for k, v in reverted.bn.named_buffers()}}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_model_feeding_six_dims_converts_and_trains_on_two_ranks(pool, fuse):
+    """convert_sync_batchnorm (and fuse_batchnorm_act) of a model whose torch.nn.SyncBatchNorm
+    gets 6-D inputs: trained on 2 ranks it matches the unconverted model on the whole batch in
+    one process (float64, bound 1e-10 relative), eval and the reverted model too (the
+    layers refused such inputs before)."""
+    sizes = (3, 2)
+    results = pool.run(_six_dim_job, 2, sizes, fuse)[:2]
+    xs, dys = _six_dim_data(sizes)
+    ref = _SixDimHead().double()
+    y = ref(torch.cat(xs))
+    y.backward(torch.cat(dys))
+    ref.eval()
+
+    def close(got, expect):
+        assert got.shape == expect.shape and torch.isfinite(got).all()
+        torch.testing.assert_close(got, expect, rtol=0, atol=1e-10 * max(1.0, float(expect.abs().max())))
+
+    close(torch.cat([r["y"] for r in results]), y.detach())
+    for name, p in ref.named_parameters():
+        close(sum(r["grads"][name] for r in results), p.grad)
+    for r, x in zip(results, xs):
+        assert r["type"] == ("SyncBatchNormAct" if fuse else "SyncBatchNorm")
+        assert r["reverted"] == "BatchNormNd"
+        expect = ref(x).detach()
+        close(r["eval"], expect)
+        close(r["reverted_eval"], expect)
+        for name, buffer in ref.bn.named_buffers():
+            close(r["buffers"][name].double(), buffer.double())

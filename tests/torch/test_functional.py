@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bn_oracle import Case, check_case, run_case
 from syncbn.torch.functional import sync_batch_norm
 from workers import group_of, in_group
 
@@ -71,15 +72,6 @@ def test_too_few_values_raise_on_every_rank(pool, sizes):
 def test_enough_values_split_thinly_do_not_raise(pool):
     results = pool.run(error_job, 4, (1, 0, 1, 0), ())
     assert [r[0] for r in results] == ["ok"] * 4
-
-
-def test_bad_dims_raise_before_any_collective(pool):
-    """Every rank raises the same shape error, so no rank is left inside a collective."""
-    results = pool.run(error_job, 4, (2, 2, 2, 2), (1, 1, 1, 1))
-    for kind, message in results:
-        assert kind == "ValueError" and "2D to 5D" in message
-    # and the group still works
-    assert [r[0] for r in pool.run(error_job, 4, (2, 2, 2, 2), (2,))] == ["ok"] * 4
 
 
 def momentum_job(world, momentum):
@@ -222,6 +214,93 @@ def test_cuda_path_merged_variance_far_from_zero(pool, ratio, bound):
     ref = x.var(dim=(0, 2, 3), correction=1)
     rel = ((results[0]["running_var"].double() - ref).abs() / ref).max().item()
     assert rel < bound, rel
+
+
+def high_rank_functional_job(world, sizes, tail):
+    """sync_batch_norm on a (N, 4, *tail) input: output, input and weight gradients, buffers."""
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(n, 4, *tail, generator=gen, dtype=torch.float64) * 3 - 2 for n in sizes]
+    dys = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in xs]
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    w = torch.linspace(0.5, 2, 4, dtype=torch.float64).requires_grad_()
+    x = xs[rank].clone().requires_grad_()
+    y = sync_batch_norm(x, rm, rv, w, None, True, 0.3, 1e-3, group)
+    y.backward(dys[rank])
+    return {"y": y.detach(), "dx": x.grad, "dw": w.grad, "rm": rm, "rv": rv, "xs": xs, "dys": dys}
+
+
+@pytest.mark.parametrize("sizes,tail", [((3, 0, 2), (2, 3, 1, 2)), ((2, 1), (2, 1, 2, 1, 3))])
+def test_functional_takes_more_than_five_dims(pool, sizes, tail):
+    """sync_batch_norm takes 6-D and 7-D inputs (it refused them): float64 batch norm on
+    the concatenation, output, input gradient, summed weight gradient and buffers, within
+    bn_oracle's float64 bound (1e-10 relative to the largest value)."""
+    world = len(sizes)
+    results = pool.run(high_rank_functional_job, world, sizes, tail)[:world]
+    x = torch.cat(results[0]["xs"]).requires_grad_()
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    w = torch.linspace(0.5, 2, 4, dtype=torch.float64).requires_grad_()
+    ref = F.batch_norm(x, rm, rv, w, None, True, 0.3, 1e-3)
+    ref.backward(torch.cat(results[0]["dys"]))
+    got = {"y": torch.cat([r["y"] for r in results]), "dx": torch.cat([r["dx"] for r in results]),
+           "dw": sum(r["dw"] for r in results)}
+    for key, expect in (("y", ref.detach()), ("dx", x.grad), ("dw", w.grad)):
+        assert got[key].shape == expect.shape
+        torch.testing.assert_close(got[key], expect, rtol=0, atol=1e-10 * max(1.0, float(expect.abs().max())),
+                                   msg=key)
+    for r in results:
+        torch.testing.assert_close(r["rm"], rm, rtol=0, atol=1e-10)
+        torch.testing.assert_close(r["rv"], rv, rtol=0, atol=1e-10)
+
+
+def path_case_job(case, path):
+    """bn_oracle's run_case (SyncBatchNorm) or test_batchnorm_act's run_act_case
+    (SyncBatchNormAct) on the CUDA path forced ("cuda") or the portable path that
+    torch.compile traces and devices without native kernels take ("portable")."""
+    import contextlib
+
+    from syncbn.torch import fingerprint, stats
+    from test_batchnorm_act import ActCase, run_act_case
+
+    if path == "portable":
+        fingerprint.IMMEDIATE_DEVICES.discard("cpu")
+    try:
+        with stats._forced_cuda_path() if path == "cuda" else contextlib.nullcontext():
+            return run_act_case(case) if isinstance(case, ActCase) else run_case(case)
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.add("cpu")
+
+
+_HIGH_RANK_PATH_CASES = [
+    Case(world=3, sizes=(2, 0, 3), tail=(2, 3, 1, 2), channels=3, dtype="float32"),
+    Case(world=2, sizes=(2, 3), tail=(2, 1, 2, 1, 2), channels=2, dtype="float64", momentum=None, seed=1),
+    Case(world=2, sizes=(3, 2), tail=(2, 2, 3, 2), dtype="float16", param_dtype="float32", seed=2),
+    Case(world=2, sizes=(3, 2), tail=(2, 3, 2, 2), dtype="float32", strides="channels_inner", seed=3),
+    Case(world=2, sizes=(2, 2), tail=(3, 2, 2, 2), dtype="float64", strides="spatial_reversed", seed=4),
+]
+
+
+@pytest.mark.parametrize("path", ["cuda", "portable"])
+@pytest.mark.parametrize("case", _HIGH_RANK_PATH_CASES,
+                         ids=lambda c: f"W{c.world}-{c.ndim}d-{c.dtype}-{c.strides}-{c.sizes}")
+def test_more_than_five_dims_on_the_cuda_and_portable_paths(pool, case, path):
+    """6-D and 7-D inputs on the forced CUDA (torch-op) path and the portable path, against
+    the float64 oracle with bn_oracle's tolerances (the CPU path: test_batchnorm.py)."""
+    check_case(case, pool.run(path_case_job, case, path))
+
+
+@pytest.mark.parametrize("path", ["cuda", "portable"])
+def test_more_than_five_dims_act_on_the_cuda_and_portable_paths(pool, path):
+    from test_batchnorm_act import ActCase, check_act_case
+
+    for case in (ActCase(Case(world=3, sizes=(2, 0, 3), tail=(2, 3, 1, 2), dtype="float32", steps=2), "leaky_relu", 0.1),
+                 ActCase(Case(world=2, sizes=(3, 2), tail=(2, 1, 2, 1, 2), dtype="float64", steps=2, seed=5), "elu", 1.0),
+                 ActCase(Case(world=2, sizes=(2, 2), tail=(3, 2, 2, 2), dtype="float32", strides="spatial_reversed",
+                              steps=2, seed=6), "identity", 0.01)):
+        check_act_case(case, pool.run(path_case_job, case, path))
 
 
 def cuda_path_constants_job(batches):

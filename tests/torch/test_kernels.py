@@ -104,6 +104,30 @@ def test_channels_last_3d_on_kernels_matches_oracle(triton_pool):
     check_case(case, results)
 
 
+# Inputs of more than 5 dims reach the kernels as (N, C, L): a view of a dense input (also
+# with the channels fastest in memory), a copy where the spatial dims do not merge
+HIGH_RANK = [
+    Case(world=2, sizes=(2, 3), tail=(2, 3, 1, 2), channels=3, dtype="float32", steps=2),
+    Case(world=3, sizes=(2, 0, 2), tail=(2, 1, 2, 1, 2), channels=2, dtype="float16", param_dtype="float32",
+         steps=2, seed=1),
+    Case(world=2, sizes=(2, 2), tail=(2, 3, 2, 2), dtype="float64", strides="channels_inner", steps=2, seed=2),
+    Case(world=2, sizes=(2, 1), tail=(3, 2, 2, 2), dtype="float32", strides="spatial_reversed", steps=2, seed=3),
+]
+
+
+@pytest.mark.parametrize("case", HIGH_RANK, ids=lambda c: f"{_name(c)}-{c.strides}")
+def test_more_than_five_dims_on_kernels_match_oracle(triton_pool, case):
+    """SyncBatchNorm, then SyncBatchNormAct, on 6-D and 7-D inputs (both refused them): the
+    kernels run and the results match the float64 oracle."""
+    results = triton_pool.run(kernel_case_job, case)
+    _ran_kernels(results, case)
+    check_case(case, results)
+    act = ActCase(case, "leaky_relu", 0.1)
+    results = triton_pool.run(kernel_case_job, act)
+    _ran_kernels(results, case)
+    check_act_case(act, results)
+
+
 def _on_kernels(case):
     """Whether the kernels take the activated layer's case (ELU: float32/float64 inputs)."""
     return case.activation != "elu" or case.base.dtype in ("float32", "float64")

@@ -109,8 +109,10 @@ class SyncBatchNorm(_SyncNormBase):
     distributed, or in a group of one, the module is exactly ``torch.nn.BatchNorm*d``.
 
     Args: those of ``torch.nn.SyncBatchNorm``; ``process_group`` None means the default
-    group. Shapes: input (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the
-    same shape and memory format. The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
+    group. Shapes: input (N, C, *) of any rank from 2, as ``torch.nn.SyncBatchNorm``
+    takes (the statistics of channel c over dim 0 and every dim after 1; beyond 5 dims
+    the synchronized call works on the (N, C, L) reshape); output the same shape and
+    memory format. The ``state_dict`` is that of ``torch.nn.BatchNorm2d``.
 
     Code written against ``torch.nn.SyncBatchNorm`` finds what it calls:
     ``SyncBatchNorm.convert_sync_batchnorm(module, process_group=None)`` is

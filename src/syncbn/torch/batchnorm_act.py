@@ -133,7 +133,7 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import check_dtypes, refuse_create_graph
+from .functional import check_dtypes, flat_spatial, refuse_create_graph
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -835,8 +835,9 @@ class SyncBatchNormAct(_SyncNormBase):
             activation-sized allocation at the forward peak, not in what is kept for
             backward.
 
-    Shapes: input (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the same
-    shape and memory format (with ``inplace=True`` in training, the input tensor itself).
+    Shapes: input (N, C, *) of any rank from 2, as :class:`syncbn.SyncBatchNorm`; output
+    the same shape and memory format (with ``inplace=True`` in training, the input
+    tensor itself).
     The ``state_dict`` is that of ``torch.nn.BatchNorm2d``. Higher-order gradients,
     ``torch.func`` transforms and forward-mode AD raise in training (see the module docs).
     """
@@ -909,6 +910,7 @@ class SyncBatchNormAct(_SyncNormBase):
         refusal = _in_place_refusal(input) if inplace else None
         if refusal is not None:  # computed out of place (every rank's collective runs), then refused
             inplace = False
+        given, input = input, flat_spatial(input)  # beyond 5 dims: (N, C, L), a view of a contiguous input
         if not syncing and not _takes_kernels(input, self.activation) and _local_kernels_fit(
                 input, self.weight, self.bias, self.activation, self.activation_param, self.eps):
             if isinstance(momentum, Tensor):
@@ -925,6 +927,8 @@ class SyncBatchNormAct(_SyncNormBase):
                 "statistics moved, as with BatchNorm followed by an in-place activation). Pass the "
                 "layer a computed tensor, or set inplace=False."
             )
+        if given.dim() > 5:  # written over the input's view in place: the input itself
+            return given if inplace else out.unflatten(2, given.shape[2:])
         return out
 
     def extra_repr(self) -> str:

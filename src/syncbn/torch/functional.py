@@ -44,7 +44,7 @@ from torch import Tensor
 from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "check_input", "check_dtypes", "recomputing", "refuse_create_graph"]
+__all__ = ["sync_batch_norm", "check_input", "flat_spatial", "check_dtypes", "recomputing", "refuse_create_graph"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -126,9 +126,9 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
     """
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor input, got {type(input).__name__}")
-    if input.dim() < 2 or input.dim() > 5:
+    if input.dim() < 2:
         raise ValueError(
-            f"{name}: expected a 2D to 5D input of shape (N, C, *), got {input.dim()}D input "
+            f"{name}: expected at least 2D input of shape (N, C, *), got {input.dim()}D input "
             f"of shape {tuple(input.shape)}"
         )
     if num_features is not None and input.shape[1] != num_features:
@@ -138,6 +138,14 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
         )
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
+
+
+def flat_spatial(input: Tensor) -> Tensor:
+    """``input`` as (N, C, L) where it has more than 5 dims (the statistics of a channel
+    are over dim 0 and every dim after 1 alike; a view where the dims merge, else a copy),
+    so that every path (kernels, layouts) sees at most 5 dims; itself otherwise. The
+    result's ``unflatten(2, input.shape[2:])`` has the input's shape."""
+    return input.flatten(2) if input.dim() > 5 else input
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -537,6 +545,7 @@ def _check_momentum(momentum) -> None:
 def _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name):
     tag = fingerprint.forward_tag(layer, input.shape[1], process_group, name,
                                   fingerprint.records_graph(input, weight, bias))
-    return _SyncBatchNorm.apply(
-        input, weight, bias, running_mean, running_var, eps, momentum, process_group, tag
+    y = _SyncBatchNorm.apply(
+        flat_spatial(input), weight, bias, running_mean, running_var, eps, momentum, process_group, tag
     )
+    return y.unflatten(2, input.shape[2:]) if input.dim() > 5 else y
