@@ -1,6 +1,8 @@
-"""The local worker pool: results in rank order, errors reported with their rank, hangs bounded."""
+"""The local worker pool: results in rank order, errors reported with their rank, hangs bounded,
+a rank left waiting on a failed one stopped after the pool's grace, not its timeout."""
 
 import os
+import time
 
 import pytest
 import torch.distributed as dist
@@ -27,6 +29,23 @@ def stuck_in_collective():
     return "done"
 
 
+def raise_on_rank_one_while_others_wait():
+    """Rank 1 raises at once; every other rank enters a collective rank 1 never joins."""
+    import torch
+
+    if dist.get_rank() == 1:
+        raise KeyError("rank one gave up")
+    dist.all_reduce(torch.ones(1))
+    return "never"
+
+
+def raise_everywhere_one_rank_late(late_rank, seconds):
+    """Every rank raises its own error; ``late_rank`` first works ``seconds`` outside any collective."""
+    if dist.get_rank() == late_rank:
+        time.sleep(seconds)
+    raise ValueError(f"rank {dist.get_rank()} has its own reason")
+
+
 def test_run_returns_results_in_rank_order(pool):
     assert pool.run(whoami, 10) == [(10, 4), (11, 4), (12, 4), (13, 4)]
     assert pool.run_each(whoami, [(0,), (1,), (2,), (3,)]) == [(0, 4), (2, 4), (4, 4), (6, 4)]
@@ -45,6 +64,41 @@ def test_hang_is_bounded():
             small.run(stuck_in_collective, timeout=30)  # gloo's own 5 s timeout fires first
 
 
+def test_a_rank_left_waiting_on_a_failed_one_is_stopped_after_the_grace():
+    """Rank 1 fails, rank 0 waits in a collective for it: the pool stops waiting after its
+    grace (10 s), well before the job's and the process group's 120 s, names rank 1 with its
+    traceback first and rank 0 as waiting on it, and is shut down."""
+    with WorkerPool(2, timeout=120) as small:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            small.run(raise_on_rank_one_while_others_wait, timeout=120)
+        elapsed = time.monotonic() - start
+        assert elapsed < 60, elapsed
+        error = info.value
+        assert list(error.errors) == [1, 0] and error.stuck == [0]
+        assert isinstance(error.errors[1][0], KeyError)
+        assert isinstance(error.errors[0][0], TimeoutError)
+        text = str(error)
+        assert text.startswith("job failed on rank(s) [1]; rank(s) [0] waiting on the failed rank(s):"), text
+        assert text.index("rank one gave up") < text.index("--- rank 0 (waiting on the failed rank(s)) ---")
+        assert not small.alive
+        with pytest.raises(RuntimeError, match="closed"):
+            small.run(whoami, 0)
+
+
+def test_an_error_on_every_rank_keeps_the_pool(pool):
+    """A job that fails on every rank of the shared pool, rank 3 answering 2 s after the
+    others (well within the 10 s grace), is one WorkerError holding each rank's own error,
+    and the same processes serve the next job."""
+    pids = pool.run(os.getpid)
+    with pytest.raises(WorkerError) as info:
+        pool.run(raise_everywhere_one_rank_late, 3, 2.0)
+    assert sorted(info.value.errors) == [0, 1, 2, 3] and info.value.stuck == []
+    for rank, (exc, _) in info.value.errors.items():
+        assert isinstance(exc, ValueError) and f"rank {rank} has its own reason" in str(exc)
+    assert pool.alive and pool.run(os.getpid) == pids
+
+
 def test_helpers():
     assert 0 < free_port() < 65536
     env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in os.environ}
@@ -54,3 +108,5 @@ def test_helpers():
         os.environ.update(env)
     with pytest.raises(ValueError):
         WorkerPool(0)
+    with pytest.raises(ValueError, match="failure_grace"):
+        WorkerPool(2, failure_grace=0)

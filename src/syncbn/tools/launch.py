@@ -17,10 +17,19 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-__all__ = ["WorkerPool", "WorkerError", "free_port", "launched_by_torchrun"]
+__all__ = ["WorkerPool", "WorkerError", "FAILURE_GRACE_S", "free_port", "launched_by_torchrun"]
+
+# Once a rank of a job has failed, how long (seconds) the pool waits for the next answer
+# before it takes the ranks that have not answered as stuck on the failed one(s). Ranks that
+# fail alike (an error every rank raises after the same collective) answer within
+# scheduling jitter of each other, milliseconds, at most about a second with 4 ranks on 2
+# busy cores; 10 s leaves a wide margin for a rank that is slow but honest, and still ends
+# a one-rank failure long before a process group's timeout (60 s to 10 minutes).
+FAILURE_GRACE_S = 10.0
 
 
 def free_port() -> int:
@@ -36,13 +45,26 @@ def launched_by_torchrun() -> bool:
 
 
 class WorkerError(RuntimeError):
-    """A job raised on one or more ranks; ``errors`` maps rank to (exception, traceback text)."""
+    """A job raised on one or more ranks.
 
-    def __init__(self, errors: dict):
+    ``errors`` maps rank to (exception, traceback text), in the order the ranks answered.
+    ``stuck``: the ranks that had not answered when the pool gave up on them, taken as
+    waiting on the failed ranks (their entry in ``errors`` is a ``TimeoutError`` saying so);
+    the pool was then shut down. The message shows the failed ranks' tracebacks first.
+    """
+
+    def __init__(self, errors: dict, stuck=()):
         self.errors = errors
-        lines = [f"job failed on rank(s) {sorted(errors)}:"]
-        for rank in sorted(errors):
+        self.stuck = sorted(stuck)
+        failed = sorted(rank for rank in errors if rank not in self.stuck)
+        head = f"job failed on rank(s) {failed}"
+        if self.stuck:
+            head += f"; rank(s) {self.stuck} waiting on the failed rank(s)"
+        lines = [head + ":"]
+        for rank in failed:
             lines.append(f"--- rank {rank} ---\n{errors[rank][1]}")
+        for rank in self.stuck:
+            lines.append(f"--- rank {rank} (waiting on the failed rank(s)) ---\n{errors[rank][1]}")
         super().__init__("\n".join(lines))
 
 
@@ -91,6 +113,15 @@ class WorkerPool:
     arguments. A job that raises on any rank raises :class:`WorkerError` here with each
     failing rank's traceback; a job that does not finish in ``timeout`` seconds shuts
     the pool down and raises ``TimeoutError``, so a hang can never block the caller.
+    ``timeout`` is also the process group's timeout: the longest a collective waits.
+
+    A rank that raises while the others are inside a collective leaves them waiting for
+    it. So once a rank has failed, ranks that do not answer within ``failure_grace``
+    seconds of the last answer are taken as stuck on the failed one(s): the pool is shut
+    down and :class:`WorkerError` names the failed ranks (their tracebacks first) and the
+    stuck ones (``WorkerError.stuck``). A job that fails on every rank within the grace
+    comes back with every rank's own error, and the pool stays up. A pool that was shut
+    down is not ``alive``; start a new one to go on.
     """
 
     def __init__(
@@ -100,11 +131,15 @@ class WorkerPool:
         timeout: float = 120.0,
         threads: int = 1,
         start_timeout: float = 120.0,
+        failure_grace: float = FAILURE_GRACE_S,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if not failure_grace > 0:
+            raise ValueError(f"failure_grace must be a positive number of seconds, got {failure_grace}")
         self.world_size = world_size
         self.timeout = timeout
+        self.failure_grace = failure_grace
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
@@ -129,29 +164,54 @@ class WorkerPool:
         values: List[Any] = [None] * self.world_size
         errors = {}
         pending = set(range(self.world_size))
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-        while pending:
-            left = (deadline - datetime.datetime.now()).total_seconds()
-            try:
-                reply = self._results.get(timeout=max(min(left, 1.0), 0.01))
-            except queue.Empty:
-                dead = [r for r in pending if not self._procs[r].is_alive()]
-                if dead or left <= 0:
-                    self.close(force=True)
-                    reason = f"worker(s) {dead} died" if dead else f"no answer in {timeout:.0f} s"
-                    message = f"{what}: {reason} from rank(s) {sorted(pending)}; pool shut down"
-                    if errors:  # the ranks still waiting were most likely stuck on the failed ones
-                        for rank in pending:
-                            errors[rank] = (TimeoutError(message), message)
-                        raise WorkerError(errors)
-                    raise TimeoutError(message)
-                continue
+        deadline = time.monotonic() + timeout
+        last_answer = time.monotonic()  # once a rank failed, the others have failure_grace from here
+
+        def take(reply) -> None:
+            nonlocal last_answer
             rank, status, value = pickle.loads(reply)
             pending.discard(rank)
             if status == "error":
                 errors[rank] = value
             else:
                 values[rank] = value
+            last_answer = time.monotonic()
+
+        while pending:
+            now = time.monotonic()
+            wait = deadline - now
+            if errors:
+                wait = min(wait, last_answer + self.failure_grace - now)
+            try:
+                take(self._results.get(timeout=min(max(wait, 0.01), 1.0)))
+                continue
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            dead = sorted(r for r in pending if not self._procs[r].is_alive())
+            expired = now >= deadline
+            given_up = bool(errors) and now >= last_answer + self.failure_grace
+            if not (dead or expired or given_up):
+                continue
+            try:  # an answer that came in meanwhile is the rank's own, not a hang
+                take(self._results.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            self.close(force=True)
+            if dead or expired:
+                reason = f"worker(s) {dead} died" if dead else f"no answer in {timeout:.0f} s"
+                message = f"{what}: {reason} from rank(s) {sorted(pending)}; pool shut down"
+            else:
+                message = (
+                    f"{what}: rank(s) {sorted(errors)} failed and no answer came for {self.failure_grace:g} s: "
+                    f"rank(s) {sorted(pending)} taken as waiting on the failed rank(s); pool shut down"
+                )
+            if errors:  # the ranks still waiting were most likely stuck on the failed ones
+                for rank in sorted(pending):
+                    errors[rank] = (TimeoutError(message), message)
+                raise WorkerError(errors, stuck=() if dead else pending)
+            raise TimeoutError(message)
         if errors:
             raise WorkerError(errors)
         return values
