@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -178,15 +179,35 @@ def test_options_that_cannot_be_honoured_exit_2(capsys, option, value):
     assert f"{option} must be" in capsys.readouterr().err
 
 
-def test_the_rank_that_failed_first_is_the_one_shown():
-    """Rank 1 raises; rank 0, left in a collective, gives up at the timeout. The report
-    shows rank 1's error, not rank 0's timeout."""
-    spec = verify.VerifySpec("verify_models:raises_on_rank_one", (2, 3, 6, 6), steps=1, timeout=5, sys_path=[TESTS])
+def test_a_rank_that_fails_alone_is_reported_long_before_the_timeout():
+    """Rank 1 raises; rank 0 is left in a collective. With a 120 s timeout the report still
+    comes well within 60 s (the pool's grace, not the timeout), and shows rank 1's error,
+    with rank 0 named as waiting on it."""
+    spec = verify.VerifySpec("verify_models:raises_on_rank_one", (2, 3, 6, 6), steps=1, timeout=120, sys_path=[TESTS])
     buf = io.StringIO()
+    start = time.monotonic()
     assert verify.verify(spec, out=buf) == 1
+    elapsed = time.monotonic() - start
     out = buf.getvalue()
-    assert out.startswith("FAIL: the distributed run failed on rank 1 first; rank(s) [0] failed after it"), out
+    assert elapsed < 60, (elapsed, out)
+    assert out.startswith(
+        "FAIL: the distributed run failed on rank 1; rank(s) [0] were still waiting on the failed rank(s) "
+        "and were stopped. Rank 1's error:"
+    ), out
     assert "ValueError: rank 1 cannot go on: the cause verify must show" in out
+    assert "pool shut down" not in out  # rank 0's stand-in error is not shown
+
+
+def test_the_rank_that_failed_first_is_the_one_shown():
+    """Errors in the order they arrived: the first one's traceback is shown, the later
+    failures and the ranks stopped while waiting are only named."""
+    errors = {2: (ValueError("cause"), "rank 2's traceback"), 0: (RuntimeError("peer gone"), "rank 0's traceback"),
+              1: (TimeoutError("stopped"), "rank 1 stopped")}
+    report = verify._failure_report(errors, stuck=[1])
+    assert report.startswith("FAIL: the distributed run failed on rank 2 first; rank(s) [0] failed after it; "
+                             "rank(s) [1] were still waiting on the failed rank(s) and were stopped. Rank 2's error:")
+    assert "rank 2's traceback" in report and "rank 0's traceback" not in report and "rank 1 stopped" not in report
+    assert verify._failure_report({1: (ValueError("alone"), "tb")}) == "FAIL: the distributed run failed on rank 1:\ntb"
 
 
 def test_a_model_that_gives_nan_is_not_called_random(pool):

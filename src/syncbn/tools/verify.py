@@ -43,9 +43,11 @@ ranks, or called more often on one rank than on another) would leave a rank wait
 for a collective that never comes. verify checks before every BN call, and at the end
 of every forward pass, that all ranks are about to run the same layer (one small
 all-gather), and stops every rank with a message naming the layers when they are not.
-Anything else that stalls is ended by the process group's timeout (``--timeout``); when
-one rank raised and the others gave up waiting for it, the report shows the error of the
-rank that failed first.
+When one rank raises while the others wait for it in a collective, verify stops the
+waiting ranks a few seconds later (the worker pool's grace,
+:data:`syncbn.tools.launch.FAILURE_GRACE_S`) and the report shows the error of the rank
+that failed first. Anything else that stalls is ended by the process group's timeout
+(``--timeout``).
 A layer called several times per step on every rank is fine (each call synchronizes);
 the table shows its call count.
 """
@@ -737,24 +739,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=None, help="difference on the natural scale that passes whatever the conditioning (default 100 ulp: 2.2e-14 in float64, 1.2e-5 in float32)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="process-group timeout: the longest any collective may wait (default 60)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="process-group timeout: the longest any collective may wait (default 60); ranks left waiting on a rank that raised are stopped sooner")
 
 
-def _failure_report(errors: dict) -> str:
+def _failure_report(errors: dict, stuck: Sequence[int] = ()) -> str:
     """What to show when ranks raised: the traceback of the rank that failed first.
 
     ``errors`` (rank -> (exception, traceback text), from
-    :class:`~syncbn.tools.launch.WorkerError`) is in the order the failures arrived. A
-    rank that fails alone leaves the others waiting in a collective until the process
-    group's timeout, and their timeouts, reported later, say nothing of the cause."""
-    first = next(iter(errors))
-    later = sorted(rank for rank in errors if rank != first)
+    :class:`~syncbn.tools.launch.WorkerError`) is in the order the failures arrived;
+    ``stuck``: the ranks the pool stopped because they were still waiting, most likely in
+    a collective, on the failed ones. Their timeouts, like the errors of ranks that failed
+    later because a peer was gone, say nothing of the cause."""
+    first = next(rank for rank in errors if rank not in stuck)
+    later = sorted(rank for rank in errors if rank != first and rank not in stuck)
     head = f"FAIL: the distributed run failed on rank {first}"
     if later:
-        head += (
-            f" first; rank(s) {later} failed after it (a rank left waiting in a collective "
-            f"gives up at --timeout). Rank {first}'s error"
-        )
+        head += f" first; rank(s) {later} failed after it"
+    if stuck:
+        head += f"; rank(s) {sorted(stuck)} were still waiting on the failed rank(s) and were stopped"
+    if later or stuck:
+        head += f". Rank {first}'s error"
     return f"{head}:\n{errors[first][1]}"
 
 
@@ -784,7 +788,7 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
             error = next(e for e, _ in exc.errors.values() if isinstance(e, (LayerOrderError, UsageError)))
             print(f"FAIL: {error}", file=out)
             return 2 if isinstance(error, UsageError) else 1
-        print(_failure_report(exc.errors), file=out)
+        print(_failure_report(exc.errors, exc.stuck), file=out)
         return 1
     except TimeoutError as exc:
         print(f"FAIL: {exc} (a collective or a step did not finish within the timeouts)", file=out)
