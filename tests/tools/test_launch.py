@@ -29,6 +29,10 @@ def stuck_in_collective():
     return "done"
 
 
+def environment(name):
+    return os.environ.get(name)
+
+
 def raise_on_rank_one_while_others_wait():
     """Rank 1 raises at once; every other rank enters a collective rank 1 never joins."""
     import torch
@@ -97,6 +101,21 @@ def test_an_error_on_every_rank_keeps_the_pool(pool):
     for rank, (exc, _) in info.value.errors.items():
         assert isinstance(exc, ValueError) and f"rank {rank} has its own reason" in str(exc)
     assert pool.alive and pool.run(os.getpid) == pids
+
+
+def test_the_interpreting_pool_starts_anew_after_a_shutdown():
+    """tests/triton_pool.py's pool, shut down as a job that fails on one rank leaves it,
+    serves the next job on new processes that still interpret Triton."""
+    from triton_pool import interpreting_pool
+
+    interpreting = interpreting_pool(1)
+    try:
+        first = interpreting.run(os.getpid)
+        interpreting.pool.close(force=True)
+        assert interpreting.run(os.getpid) != first
+        assert interpreting.run(environment, "TRITON_INTERPRET") == ["1"]
+    finally:
+        interpreting.close()
 
 
 def test_helpers():
