@@ -223,12 +223,53 @@ def test_bad_input_names_the_problem():
     bn = syncbn.SyncBatchNorm(4)
     with pytest.raises(ValueError, match="at least 2D input"):
         bn(torch.randn(4))
-    with pytest.raises(ValueError, match="expected 4 channels"):
+    with pytest.raises(RuntimeError, match="expected 4 channels"):
         bn(torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match="number of input channels should be non-zero"):
+        bn(torch.randn(2, 0, 5))
     with pytest.raises(TypeError, match="floating-point"):
         bn(torch.ones(2, 4, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         bn(torch.randn(1, 4))
+
+
+def _outcome(layer, x):
+    """The output, or the class of the error the call raised."""
+    try:
+        return layer(x)
+    except Exception as err:  # noqa: BLE001 - the class is the result
+        return type(err)
+
+
+_SHAPE_CASES = [  # layer channels, input shape
+    (4, (3, 3, 5)), (4, (3, 5, 2, 2)), (0, (3, 4, 5)), (4, (3, 0, 5)), (0, (3, 0, 5)), (4, (4,)),
+    (4, (2, 4, 2, 1, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("cls", [syncbn.SyncBatchNorm, syncbn.SyncBatchNormAct])
+@pytest.mark.parametrize("channels,shape", _SHAPE_CASES, ids=str)
+@pytest.mark.parametrize("affine,track", [(True, True), (False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("training", [True, False])
+def test_shape_errors_are_torchs(cls, channels, shape, affine, track, training):
+    """A channel count other than the layer's, an input without channels or of one dim,
+    with or without affine parameters and running statistics, training or eval: the
+    layer raises the class torch.nn.SyncBatchNorm raises (RuntimeError for the channel
+    count, where it was ValueError; ValueError for no channels, where SyncBatchNorm(0)
+    raised an IndexError), and computes what torch computes where torch raises nothing (a
+    layer without per-channel tensors takes any channel count; it raised)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 2 + 1
+    ref = nn.SyncBatchNorm(channels, affine=affine, track_running_stats=track).train(training)
+    ours = cls(channels, affine=affine, track_running_stats=track).train(training)
+    if cls is syncbn.SyncBatchNormAct:  # the activation after torch's layer
+        ours.activation = "identity"
+    expected, got = _outcome(ref, x), _outcome(ours, x)
+    if isinstance(expected, type):
+        assert got is expected, (got, expected)
+    else:
+        assert isinstance(got, torch.Tensor), got
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_nan_and_inf_propagate_like_torch():

@@ -479,8 +479,10 @@ def test_bad_input_names_the_problem():
     layer = syncbn.SyncBatchNormAct(4)
     with pytest.raises(ValueError, match="at least 2D input"):
         layer(torch.randn(4))
-    with pytest.raises(ValueError, match="expected 4 channels"):
+    with pytest.raises(RuntimeError, match="expected 4 channels"):
         layer(torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match="number of input channels should be non-zero"):
+        layer(torch.randn(2, 0, 5))
     with pytest.raises(TypeError, match="floating-point"):
         layer(torch.ones(2, 4, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="more than 1 value per channel"):

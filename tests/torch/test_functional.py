@@ -74,6 +74,51 @@ def test_enough_values_split_thinly_do_not_raise(pool):
     assert [r[0] for r in results] == ["ok"] * 4
 
 
+def shape_error_job(world, channels, shape, affine, track, form):
+    """One training call of ``form`` (a layer class's name, or "sync_batch_norm") for
+    ``channels`` on a ``shape`` input on each rank of the group: the error class and
+    message, or "ok", and the number of collectives the call ran."""
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    import syncbn
+    from syncbn.tools.traffic import record_collectives
+
+    x = torch.randn(shape) + 1
+    outcome = ("ok", None)
+    with record_collectives() as calls:
+        try:
+            if form == "sync_batch_norm":  # per-channel tensors of ``channels`` values
+                stats = [torch.zeros(channels), torch.ones(channels)] if track else [None, None]
+                params = [torch.ones(channels), torch.zeros(channels)] if affine else [None, None]
+                sync_batch_norm(x, *stats, *params, training=True, process_group=group)
+            else:
+                getattr(syncbn, form)(channels, affine=affine, track_running_stats=track, process_group=group)(x)
+        except Exception as exc:  # noqa: BLE001 - the class is the result
+            outcome = (type(exc).__name__, str(exc))
+    return outcome + (len(calls),)
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct", "sync_batch_norm"])
+@pytest.mark.parametrize("affine,track", [(True, True), (False, True), (True, False), (False, False)])
+def test_shape_errors_raise_torchs_class_on_every_rank_before_any_collective(pool, affine, track, form):
+    """On 2 ranks, a channel count other than the layer's raises RuntimeError (as
+    torch.nn.SyncBatchNorm; it was ValueError) where the layer holds a per-channel tensor,
+    and computes where it holds none; an input without channels or of one dim raises
+    ValueError: on every rank alike, before any collective (the group works afterwards)."""
+    held = affine or track
+    wrong = pool.run(shape_error_job, 2, 4, (3, 3, 5), affine, track, form)[:2]
+    if held:
+        assert [(kind, calls) for kind, _, calls in wrong] == [("RuntimeError", 0)] * 2, wrong
+        assert all("expected 4 channels" in message for _, message, _ in wrong), wrong
+    else:
+        assert [(kind, calls) for kind, _, calls in wrong] == [("ok", 1)] * 2, wrong
+    for shape in ((3, 0, 5), (4,)):
+        results = pool.run(shape_error_job, 2, 4, shape, affine, track, form)[:2]
+        assert [(kind, calls) for kind, _, calls in results] == [("ValueError", 0)] * 2, results
+    assert pool.run(shape_error_job, 2, 4, (3, 4, 5), affine, track, form)[:2] == [("ok", None, 1)] * 2
+
+
 def momentum_job(world, momentum):
     group = group_of(world)
     if not in_group(world):

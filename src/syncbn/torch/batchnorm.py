@@ -62,7 +62,11 @@ class _SyncNormBase(_BatchNorm):
         )
 
     def _check_input_dim(self, input: Tensor) -> None:
-        check_input(input, self.num_features, type(self).__name__)
+        # the channel count is checked against the layer's per-channel tensors, as torch's
+        # batch norm does: a layer without any (affine=False, track_running_stats=False)
+        # normalizes whatever channels it is given
+        held = any(t is not None for t in (self.weight, self.bias, self.running_mean, self.running_var))
+        check_input(input, self.num_features if held else None, type(self).__name__)
 
     def _momentum(self, as_tensor: bool, count: bool = True):
         """Weight of this batch in the running buffers; bumps ``num_batches_tracked``

@@ -44,7 +44,8 @@ from torch import Tensor
 from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "check_input", "flat_spatial", "check_dtypes", "recomputing", "refuse_create_graph"]
+__all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "check_dtypes", "recomputing",
+           "refuse_create_graph"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -118,8 +119,14 @@ def _refuse_count(total: float, shape) -> None:
         )
 
 
-def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_batch_norm") -> None:
-    """Raise a clear error for an input no batch norm can take.
+def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_batch_norm",
+                source: str = "num_features", channels: bool = True) -> None:
+    """Raise a clear error for an input no batch norm can take, with the exception class
+    ``torch.nn.SyncBatchNorm`` raises for it: ``ValueError`` for fewer than 2 dims and
+    (unless ``channels`` is False) for an input without channels, ``RuntimeError`` for a
+    channel count other than ``num_features`` (the size of the layer's ``source``: None
+    skips that check, as torch does where the layer holds no per-channel tensor),
+    ``TypeError`` for a non-float input.
 
     These depend only on the layer and the input's shape and dtype, so every rank that
     runs the same model raises the same error before any collective is issued.
@@ -131,13 +138,26 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
             f"{name}: expected at least 2D input of shape (N, C, *), got {input.dim()}D input "
             f"of shape {tuple(input.shape)}"
         )
-    if num_features is not None and input.shape[1] != num_features:
+    if channels and input.shape[1] == 0:
         raise ValueError(
-            f"{name}: expected {num_features} channels in dim 1 (num_features), got input "
+            f"{name}: number of input channels should be non-zero, got input of shape {tuple(input.shape)}"
+        )
+    if num_features is not None and input.shape[1] != num_features:
+        raise RuntimeError(
+            f"{name}: expected {num_features} channels in dim 1 ({source}), got input "
             f"of shape {tuple(input.shape)} with {input.shape[1]} channels"
         )
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
+
+
+def check_channels(input: Tensor, name: str = "sync_batch_norm", channels: bool = True, **tensors) -> None:
+    """:func:`check_input` against the size of every per-channel tensor given (None
+    skipped): ``running_mean``, ``running_var``, ``weight``, ``bias``."""
+    check_input(input, None, name, channels=channels)
+    for source, t in tensors.items():
+        if t is not None:
+            check_input(input, t.numel(), name, f"the size of {source}", channels)
 
 
 def flat_spatial(input: Tensor) -> Tensor:
@@ -513,12 +533,16 @@ def sync_batch_norm(
     (see :func:`recomputing`) normalizes as the first call did and leaves the running
     buffers alone, so they are updated once per step, as without checkpointing.
     """
-    check_input(input, None if running_mean is None else running_mean.shape[0])
+    # an input without channels: F.batch_norm's empty output where this is F.batch_norm
+    # (below), a ValueError before the collective where it synchronizes (as the layers)
+    syncing = training and distributed.group_size(process_group) > 1
+    check_channels(input, channels=syncing, running_mean=running_mean, running_var=running_var, weight=weight,
+                   bias=bias)
     _check_momentum(momentum)
     if training and recomputing():  # activation checkpointing: the buffers moved already
         running_mean = None if running_mean is None else running_mean.clone()
         running_var = None if running_var is None else running_var.clone()
-    if not training or distributed.group_size(process_group) == 1:
+    if not syncing:
         if isinstance(momentum, Tensor):
             momentum = float(momentum)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
