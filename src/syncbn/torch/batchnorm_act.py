@@ -133,7 +133,7 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import check_dtypes, flat_spatial, refuse_create_graph
+from .functional import check_dtypes, flat_spatial, refuse_create_graph, refuse_export
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -905,6 +905,7 @@ class SyncBatchNormAct(_SyncNormBase):
             return _activate_(out, self.activation, self.activation_param)
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
+        refuse_export(type(self).__name__, self)  # its Function's backward would not be exported
         check_dtypes(input, self.weight, self.bias, running_mean, running_var, type(self).__name__)
         inplace = self.inplace and input.is_contiguous(memory_format=stats.memory_format(input))
         refusal = _in_place_refusal(input) if inplace else None

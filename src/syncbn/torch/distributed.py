@@ -20,6 +20,7 @@ import torch.distributed as dist
 __all__ = [
     "is_initialized",
     "compiling",
+    "exporting",
     "group_size",
     "group_rank",
     "default_group",
@@ -142,6 +143,13 @@ def compiling() -> bool:
     """True while ``torch.compile`` is tracing the calling code."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def exporting() -> bool:
+    """True while ``torch.export.export`` is tracing the calling code (strict or not;
+    False on a torch without ``torch.compiler.is_exporting``)."""
+    check = getattr(getattr(torch, "compiler", None), "is_exporting", None)
+    return bool(check is not None and check())
 
 
 # torch.compile traces the synchronized call whole on torch 2.11 and 2.13 (tested). torch

@@ -45,7 +45,7 @@ from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
 __all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "check_dtypes", "recomputing",
-           "refuse_create_graph"]
+           "refuse_create_graph", "refuse_export"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -60,6 +60,31 @@ def refuse_create_graph(name: str) -> None:
             "Use torch.nn batch norm for that computation (syncbn.revert_sync_batchnorm), or "
             "keep the layer out of the differentiated graph."
         )
+
+
+def refuse_export(name: str, layer=None) -> None:
+    """Raise, naming the layer and the fix, while ``torch.export.export`` traces a
+    training-mode call that runs one of syncbn's autograd Functions (every synchronized
+    call; ``SyncBatchNormAct`` also in one process). torch (2.13) exports such a Function
+    as its forward alone: the program's forward synchronizes, one all-reduce per layer
+    (nested in ``wrap_with_set_grad_enabled`` subgraphs after the first), but no gradient
+    flows through the layer, so a backward pass through ``exported.module()`` raises, or,
+    where the loss reaches the input another way, makes no backward all-reduce and gives
+    wrong input gradients and no parameter gradients. Depends only on the call: every rank
+    that exports raises alike, before any collective."""
+    if not distributed.exporting():
+        return
+    recorded = getattr(layer, "_syncbn_name", None)  # the model's name for it (syncbn.name_layers)
+    which = name if recorded is None else f"{name} {recorded!r}"
+    raise RuntimeError(
+        f"{which}: torch.export.export cannot capture this layer in training mode: the exported "
+        "program would keep its forward (batch statistics, all-reduced across ranks; the running-buffer "
+        "update) but not its backward (a custom autograd Function, exported as its forward alone), so "
+        "gradients through the layer would be missing or wrong, with no backward all-reduce. Export "
+        "the model in eval mode (model.eval(): running statistics, no collective), or "
+        "call syncbn.revert_sync_batchnorm(model) first (torch's batch norms, which export with their "
+        "backward; in training they normalize each rank's batch alone)."
+    )
 
 
 # The local moments come from a native kernel that torch 2.13 cannot trace with fake
@@ -548,6 +573,7 @@ def sync_batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    refuse_export(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
     check_dtypes(input, weight, bias, running_mean, running_var,
                  name or (type(layer).__name__ if layer is not None else "sync_batch_norm"))
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
