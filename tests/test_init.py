@@ -40,3 +40,18 @@ def test_import_syncbn_after_torch_imports_torch_distributed_nn_first():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ProcessGroup" not in proc.stdout, proc.stdout
+
+
+def test_the_mismatch_error_is_caught_by_its_top_level_name_without_torch():
+    """Keras and Flax raise syncbn.core.fingerprint.LayerMismatchError; a user without torch
+    catches it as the documented ``syncbn.LayerMismatchError``, which must not import torch."""
+    code = ("import sys\n"
+            "class NoTorch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch': raise ImportError('torch is blocked')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            "import syncbn, syncbn.core.fingerprint as core\n"
+            "assert syncbn.LayerMismatchError is core.LayerMismatchError\n"
+            "assert 'torch' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         sync_groups,
     )
 
-# public names, all defined by syncbn.torch (imported on first use)
+# public names, all exported by syncbn.torch (imported on first use, except the framework-free ones)
 _TORCH_NAMES = (
     "BatchNormNd",
     "LayerMismatchError",
@@ -62,6 +62,8 @@ _TORCH_NAMES = (
     "revert_sync_batchnorm",
     "sync_groups",
 )
+
+_FRAMEWORK_FREE = ("LayerMismatchError",)  # of those, the ones syncbn.core defines
 
 __all__ = sorted(_TORCH_NAMES) + ["__version__"]
 
@@ -100,7 +102,10 @@ if not TYPE_CHECKING:  # type checkers see the imports above, and an unknown nam
     def __getattr__(name):
         if name not in _TORCH_NAMES:
             raise AttributeError(f"module 'syncbn' has no attribute {name!r}")
-        value = getattr(import_module("syncbn.torch"), name)
+        # the error every framework raises is framework-free: a Keras or Flax user without
+        # torch catches it by this name too (syncbn.torch re-exports the same class)
+        home = "syncbn.core.fingerprint" if name in _FRAMEWORK_FREE else "syncbn.torch"
+        value = getattr(import_module(home), name)
         globals()[name] = value
         return value
 

@@ -37,7 +37,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     and one of ``2C`` values in backward, in a custom gradient, each with 18 more: the
     layer fingerprint (the layer's name and width, and the call's index in the traced
     step), so that replicas in different layer calls fail alike instead of mixing
-    statistics (see :mod:`syncbn.keras.replicas` and the README, "When ranks disagree"):
+    statistics (see :mod:`syncbn.keras.replicas` and docs/disagreement.md, "When ranks disagree"):
 
     - TensorFlow: inside a ``tf.distribute`` replica context of more than one replica
       (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``; ``fit``, custom loops with
