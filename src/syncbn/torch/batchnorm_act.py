@@ -133,7 +133,7 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import check_dtypes, flat_spatial, refuse_create_graph, refuse_export
+from .functional import check_dtypes, flat_spatial, refuse_create_graph, refuse_export, refuse_trace, refuse_transform
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -758,20 +758,12 @@ def _compiling() -> bool:
 
 
 def _under_transform(*tensors) -> bool:
-    """Whether any of ``tensors`` is a forward-mode dual tensor or a ``torch.func``
-    transform's wrapper (only to name the layer in an error; nothing else depends on it)."""
+    """Whether any of ``tensors`` is a forward-mode dual tensor (only to name the layer in
+    an error; nothing else depends on it). ``torch.func`` transforms are refused before
+    this, by :func:`syncbn.torch.functional.refuse_transform`."""
     from torch.autograd import forward_ad
 
-    functorch = getattr(torch._C, "_functorch", None)
-    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
-    for t in tensors:
-        if t is None:
-            continue
-        if wrapped is not None and wrapped(t):
-            return True
-        if forward_ad.unpack_dual(t).tangent is not None:
-            return True
-    return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _eval_buffers(running_mean, running_var, needs_grad: bool):
@@ -875,6 +867,8 @@ class SyncBatchNormAct(_SyncNormBase):
             guard()
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         local_plain = not (bn_training and self.training)  # eval: running or local batch stats
+        if not local_plain:  # its Functions, in any world size (before the momentum count moves)
+            refuse_transform(type(self).__name__, self)
         if not local_plain and _under_transform(input, self.weight, self.bias):
             raise RuntimeError(
                 "SyncBatchNormAct: torch.func transforms and forward-mode AD are not supported in "
@@ -883,6 +877,8 @@ class SyncBatchNormAct(_SyncNormBase):
                 "to get BatchNorm + activation modules for this computation."
             )
         syncing = not local_plain and distributed.group_size(self.process_group) > 1
+        if syncing:
+            refuse_trace(type(self).__name__, self)
         if not syncing and input.numel() == 0:
             local_plain = True  # an empty batch on one process: as torch.nn does it
         # a checkpoint's recomputed forward (as SyncBatchNorm): same output, buffers moved once

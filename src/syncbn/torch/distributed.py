@@ -21,6 +21,8 @@ __all__ = [
     "is_initialized",
     "compiling",
     "exporting",
+    "tracing",
+    "transforming",
     "group_size",
     "group_rank",
     "default_group",
@@ -150,6 +152,32 @@ def exporting() -> bool:
     False on a torch without ``torch.compiler.is_exporting``)."""
     check = getattr(getattr(torch, "compiler", None), "is_exporting", None)
     return bool(check is not None and check())
+
+
+def tracing() -> bool:
+    """True while ``torch.jit.trace`` records the calling code (False under torch.compile,
+    which traces by other means)."""
+    return not compiling() and torch.jit.is_tracing()
+
+
+def transforming() -> bool:
+    """True while a ``torch.func`` transform (grad, vjp, jacrev, jacfwd, hessian, vmap, jvp,
+    functionalize) is active around the calling code; False under torch.compile.
+
+    torch documents no public test for this. The predicate asked here,
+    ``torch._C._are_functorch_transforms_active``, is private, but it is the very one
+    ``torch.autograd.Function.apply`` asks before refusing a Function without
+    ``setup_context`` (with a generic message, once the layer's call has begun: the momentum
+    count moved). Asking it first lets a layer refuse exactly where torch would, before any
+    state changes or collective, with its own name and the fix. The alternatives are no more
+    public (``torch._C._functorch.is_functorch_wrapped_tensor`` on the layer's tensors, which
+    misses a transform whose inputs do not reach the layer), or match torch's message text
+    after the fact (catching the RuntimeError of ``apply``). False where torch lacks it.
+    """
+    if compiling():
+        return False
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active is not None and active())
 
 
 # torch.compile traces the synchronized call whole on torch 2.11 and 2.13 (tested). torch

@@ -45,7 +45,7 @@ from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
 __all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "check_dtypes", "recomputing",
-           "refuse_create_graph", "refuse_export"]
+           "refuse_create_graph", "refuse_export", "refuse_trace", "refuse_transform"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -84,6 +84,52 @@ def refuse_export(name: str, layer=None) -> None:
         "the model in eval mode (model.eval(): running statistics, no collective), or "
         "call syncbn.revert_sync_batchnorm(model) first (torch's batch norms, which export with their "
         "backward; in training they normalize each rank's batch alone)."
+    )
+
+
+def _label(name: str, layer) -> str:
+    recorded = getattr(layer, "_syncbn_name", None)  # the model's name for it (syncbn.name_layers)
+    return name if recorded is None else f"{name} {recorded!r}"
+
+
+def refuse_trace(name: str, layer=None) -> None:
+    """Raise, naming the layer and the fix, while ``torch.jit.trace`` records a
+    training-mode call that synchronizes (W > 1 ranks). A trace keeps every Python-side
+    value of the call as a constant (the call index of the layer fingerprint, the choice
+    of path) and cannot record the all-reduce: torch (2.13) failed inside it with "Tried to
+    trace <...ProcessGroup object> but it is not part of the active trace", the momentum
+    count already moved. Called before the count moves: depends only on the call, so every
+    rank that traces raises alike, before any collective."""
+    if not distributed.tracing():
+        return
+    raise RuntimeError(
+        f"{_label(name, layer)}: torch.jit.trace cannot record this layer in training mode across "
+        "ranks: a trace cannot hold the all-reduce of the batch statistics, and it would keep each "
+        "Python-side value of the call (the layer's call index in the cross-rank check, the path "
+        "taken) as a constant. Trace the model in eval mode (model.eval(): running statistics, no "
+        "collective), or call syncbn.revert_sync_batchnorm(model) first (torch's batch norms; in "
+        "training they normalize each rank's batch alone)."
+    )
+
+
+def refuse_transform(name: str, layer=None) -> None:
+    """Raise, naming the layer, the transforms and the fix, when a training-mode call that
+    runs one of syncbn's autograd Functions (every synchronized call; ``SyncBatchNormAct``
+    also in one process) is made under a ``torch.func`` transform: the Functions have no
+    ``setup_context`` (nor a vmap rule), so torch would refuse them with its generic message.
+    Depends only on the call: every rank alike, before any collective."""
+    if not distributed.transforming():
+        return
+    raise RuntimeError(
+        f"{_label(name, layer)}: torch.func transforms (grad, vjp, jacrev, jacfwd, hessian, vmap, "
+        "jvp, functionalize) cannot run this layer in training mode: its training call is a custom "
+        "autograd Function (the synchronized statistics and their backward) that they cannot "
+        "differentiate or batch. Use torch.autograd instead (loss.backward(), torch.autograd.grad, "
+        "with torch.func.functional_call for substituted parameters), put the layer in eval mode "
+        "(model.eval()), or call syncbn.revert_sync_batchnorm(model) first (torch's batch norms, "
+        "which torch.func takes with track_running_stats=False: "
+        "torch.func.replace_all_batch_norm_modules_; in training they normalize each rank's batch "
+        "alone)."
     )
 
 
@@ -574,6 +620,8 @@ def sync_batch_norm(
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     refuse_export(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
+    refuse_trace(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
+    refuse_transform(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
     check_dtypes(input, weight, bias, running_mean, running_var,
                  name or (type(layer).__name__ if layer is not None else "sync_batch_norm"))
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
