@@ -272,6 +272,17 @@ def cuda_counts_job(spec):
     return cuda_counts.layer_counts(spec, group) if dist.get_rank() < 2 else None
 
 
+def cuda_counts_without_triton_job(spec):
+    """The counts with ``SYNCBN_TRITON=0``'s switch off (read once at import, so set here)."""
+    from syncbn.torch import stats
+
+    before, stats._TRITON_ENABLED = stats._TRITON_ENABLED, False
+    try:
+        return cuda_counts_job(spec)
+    finally:
+        stats._TRITON_ENABLED = before
+
+
 _COUNTS = {}
 
 
@@ -290,12 +301,14 @@ def _cuda_counts(pool):
             interpreting = interpreting_pool(2)
             try:
                 _COUNTS["report"] = interpreting.run(cuda_counts_job, _COUNT_SPEC)[0]
+                _COUNTS["without_triton"] = interpreting.run(cuda_counts_without_triton_job, _ONE_SHAPE)[0]
             finally:
                 interpreting.close()
     return _COUNTS["report"]
 
 
 _COUNT_SPEC = {"shapes": [[2, 4, 6, 5]], "layouts": ["contiguous", "channels_last"]}
+_ONE_SHAPE = {"shapes": [[2, 4, 6, 5]], "layouts": ["contiguous"]}
 
 
 def test_cuda_path_counts_meet_the_bars(pool):
@@ -339,3 +352,17 @@ def test_cuda_path_launches_meet_the_bars(pool):
         for way in ("forward", "backward"):
             assert row[way]["launches"] <= cuda_counts.BARS[way]["launches"], row[way]
     assert all(b["launches_ok"] and b["passes_ok"] and b["no_host_sync"] for b in rep["bars"].values())
+
+
+def test_cuda_counts_follow_the_triton_switch(pool):
+    """With ``SYNCBN_TRITON=0`` CUDA tensors take the torch-op path, so that is what the
+    counts describe (they counted the kernels regardless, while the user's layers ran the
+    torch ops): every row says "torch ops", with its stand-ins for the CUDA kernels."""
+    pytest.importorskip("triton")
+    _cuda_counts(pool)
+    rep = _COUNTS["without_triton"]
+    for row in rep["syncbn"] + rep["syncbn_act"] + rep["syncbn_act_elu"]:
+        assert row["path"] == "torch ops", row["path"]
+        ops = [o["op"] for o in row["forward"]["ops"] + row["backward"]["ops"]]
+        assert not any(op.startswith("syncbn::triton_") for op in ops), ops
+    assert "aten::batch_norm_elemt" in [o["op"] for o in rep["syncbn"][0]["forward"]["ops"]]

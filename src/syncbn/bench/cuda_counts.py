@@ -17,8 +17,8 @@ Where Triton is installed, the path counted is the one CUDA tensors take: the Tr
 kernels of :mod:`syncbn.torch.kernels`, run on the CPU by Triton's interpreter (the
 counting process sets ``TRITON_INTERPRET=1`` before Triton is first imported; the rows
 say ``"path": "triton"``). Each kernel launch is a custom operator ``syncbn::triton_*``,
-recorded as one launch. Without Triton (or in a process that imported it compiling), the
-torch-op path is counted (``"path": "torch ops"``): three of its CUDA kernels
+recorded as one launch. Without Triton (or in a process that imported it compiling, or with
+``SYNCBN_TRITON=0``, which keeps CUDA tensors off the kernels), the torch-op path is counted (``"path": "torch ops"``): three of its CUDA kernels
 (``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``) do
 not exist on the CPU; there the path calls stand-in operators with the same inputs and
 outputs, recorded as one operation each, the way the CUDA kernel is one launch.
@@ -164,7 +164,8 @@ def count_call(layer, x, dy) -> Dict[str, dict]:
     from ..torch import kernels
 
     result = {}
-    triton = kernels.enable_interpreter()
+    # the path CUDA tensors would take here: the kernels, unless SYNCBN_TRITON=0 keeps them off
+    triton = stats._TRITON_ENABLED and kernels.enable_interpreter()
     with stats._forced_triton_path() if triton else stats._forced_cuda_path():
         layer(x).backward(dy)  # warm-up
         for t in [x, *layer.parameters()]:
