@@ -1542,6 +1542,130 @@ def nnx_convert_reaches_every_container():
     return {"layers": len(layers), "tuple layer y": err}
 
 
+# ----------------------------------------------------------------------------- deployment (jax.export)
+
+
+def exported_outputs(fn, *args):
+    """``fn(*args)`` through ``jax.export`` (exported, serialized, deserialized, called)."""
+    import jax
+
+    exported = jax.export.deserialize(jax.export.export(jax.jit(fn))(*args).serialize())
+    return exported.call(*args)
+
+
+@check
+def jax_export_eval_and_training():
+    """Deployment through ``jax.export``. Evaluation (use_running_average=True) of a
+    converted linen model and a converted nnx model exports and gives exactly what Flax's
+    BatchNorm gives exported the same way. A training call outside any named axis (no
+    pmap / shard_map binding axis_name) is not exported with local statistics: it raises
+    JAX's unbound-axis NameError naming the axis, as Flax's layer does. A synchronized
+    training step under shard_map exports with its backward (``vjp_order=1``): after
+    serialization its output, running statistics and gradients equal the float64 oracle
+    on the whole batch, and ``jit(..., donate_argnums=...)`` of it gives the same values."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+    import syncbn.flax as sf
+    import syncbn.flax.nnx as snnx
+
+    rng = np.random.default_rng(61)
+    x = jnp.asarray(rng.standard_normal((8, 3)) * 2 + 3, jnp.float32)
+
+    class Eval(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            h = nn.BatchNorm(use_running_average=not train, axis_name=AXIS, momentum=MOMENTUM, epsilon=EPS)(x)
+            return nn.BatchNorm(use_running_average=not train, axis_name=AXIS, momentum=MOMENTUM, epsilon=EPS)(h * h)
+
+    plain = Eval()
+    model = sf.convert(plain, axis_name=AXIS)
+    variables = net_variables(plain, x, 62)
+    want = exported_outputs(lambda v, x: plain.apply(v, x), variables, x)
+    got = exported_outputs(lambda v, x: model.apply(v, x), variables, x)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg="linen eval export")
+
+    class Pair(nnx.Module):  # string keys all the way down: jax.export serializes its state
+        def __init__(self):
+            bn = lambda: nnx.BatchNorm(3, axis_name=AXIS, momentum=MOMENTUM, epsilon=EPS, rngs=nnx.Rngs(0))
+            self.first, self.second = bn(), bn()
+
+        def __call__(self, x):
+            h = self.first(x)
+            return self.second(h * h)
+
+    stats = [(rng.uniform(-1, 1, 3), rng.uniform(0.5, 2, 3)) for _ in range(2)]
+    nets = {"flax": Pair(), "syncbn": snnx.convert(Pair())}
+    for net in nets.values():
+        for layer, (mean, var) in zip((net.first, net.second), stats):
+            layer.mean[...], layer.var[...] = jnp.asarray(mean, jnp.float32), jnp.asarray(var, jnp.float32)
+    outs = {}
+    for name, net in nets.items():
+        net.eval()
+        graph, state = nnx.split(net)
+
+        def infer(pure, x, graph=graph, state=state):  # a plain dict of arrays crosses the export
+            nnx.replace_by_pure_dict(state, pure)
+            return nnx.merge(graph, state)(x)
+
+        outs[name] = exported_outputs(infer, nnx.to_pure_dict(state), x)
+    assert np.isfinite(np.asarray(outs["syncbn"])).all()
+    np.testing.assert_array_equal(np.asarray(outs["syncbn"]), np.asarray(outs["flax"]), err_msg="nnx eval export")
+
+    # training outside any named axis: a clear error, never local statistics
+    net = nets["syncbn"]
+    net.train()
+    graph, state = nnx.split(net)
+    for label, fn, args in (
+            ("linen", lambda v, x: model.apply(v, x, True, mutable=["batch_stats"]), (variables, x)),
+            ("nnx", lambda s, x: nnx.merge(graph, s)(x), (state, x))):
+        try:
+            jax.export.export(jax.jit(fn))(*args)
+        except NameError as err:
+            assert "unbound axis name" in str(err) and AXIS in str(err), (label, err)
+        else:
+            raise AssertionError(f"{label}: a training call outside any named axis exported")
+
+    # a synchronized training step under shard_map, exported with its backward
+    Net, _ = linen_models()
+    plain = Net()
+    model = sf.convert(plain, axis_name=AXIS)
+    xs, dy = two_device_batch(63)
+    xs, dy = concat(xs), concat(dy)
+    variables = net_variables(plain, xs[:4], 64)
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,), axis_types=(AxisType.Auto,))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+
+    def step(params, stats, x):
+        y, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+        return y, upd["batch_stats"]
+
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(AXIS), P()))
+    args = (put(variables["params"], P()), put(variables["batch_stats"], P()), put(jnp.asarray(xs), P(AXIS)))
+    exported = jax.export.deserialize(jax.export.export(jax.jit(sharded))(*args).serialize(vjp_order=1))
+    (y, stats), pullback = jax.vjp(lambda p, x: exported.call(p, args[1], x), args[0], args[2])
+    dparams, dx = pullback((put(jnp.asarray(dy), P(AXIS)), jax.tree.map(jnp.zeros_like, stats)))
+    ref_y, ref_stats, ref_dx, ref_dparams = net_oracle(variables, xs, dy, NET_LAYERS, True)
+    info = {"y": assert_close("exported y", y, ref_y, TOL["float32"]),
+            "dx": assert_close("exported dx", dx, ref_dx, TOL["float32"])}
+    for path, (mean, var), dp in zip(NET_LAYERS, ref_stats, ref_dparams):
+        name = "/".join(path)
+        assert_close(f"exported {name} mean", get_in(stats, path)["mean"], mean, TOL["float32"])
+        assert_close(f"exported {name} var", get_in(stats, path)["var"], var, TOL["float32"])
+        for k in ("scale", "bias"):
+            info[f"{name} d{k}"] = assert_close(f"exported {name} d{k}", get_in(dparams, path)[k], dp[k],
+                                                TOL["float32"])
+    kept = jax.jit(sharded)(*args)
+    donated = jax.jit(sharded, donate_argnums=(0, 1))(*jax.tree.map(jnp.copy, args))
+    for a, b in zip(jax.tree.leaves(donated), jax.tree.leaves(kept)):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg="donate_argnums")
+    return info
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
