@@ -800,5 +800,94 @@ def keras_file_keeps_layers_their_owners_make():
     return {"bn_layers": counts}
 
 
+def exported_pair(build, rng):
+    """A plain model of ``build()`` with every weight redrawn, and its converted copy."""
+    from syncbn.keras import convert
+
+    plain = build()
+    for layer in plain.layers:
+        if layer.weights:
+            randomize(layer, rng)
+    return plain, convert(plain)
+
+
+@check
+def export_serves_keras_predictions():
+    """Deployment of a converted model in one process. ``model.export`` (a TensorFlow
+    SavedModel; through jax2tf on JAX) serves exactly what the plain model's export
+    serves (inference uses the moving statistics through Keras's own op). A training
+    endpoint (``keras.export.ExportArchive``, ``training=True``) traced with no
+    distribution is one replica's batch norm with its gradient kept: output and input
+    gradient of the reloaded artifact match Keras's layer's exported the same way. On
+    TensorFlow, ``TFLiteConverter.from_keras_model`` gives exactly the plain model's
+    TFLite output."""
+    import os
+    import tempfile
+
+    import keras
+    import tensorflow as tf
+
+    rng = np.random.default_rng(38)
+
+    def build():
+        inputs = keras.Input((4, 3), name="x")
+        h = keras.layers.BatchNormalization(momentum=0.5, name="bn_a")(keras.layers.Dense(3, name="dense")(inputs))
+        return keras.Model(inputs, keras.layers.BatchNormalization(axis=1, name="bn_b")(keras.layers.Multiply(name="square")([h, h])), name="net")
+
+    plain, synced = exported_pair(build, rng)
+    x = (rng.standard_normal((6, 4, 3)) * 2 + 3).astype(np.float32)
+    dy = rng.standard_normal((6, 4, 3)).astype(np.float32)
+    spec = [tf.TensorSpec((None, 4, 3), tf.float32)]
+
+    def training_call(model):
+        return lambda v: model(v, training=True)
+
+    info = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        served, trained = {}, {}
+        for name, model in (("plain", plain), ("synced", synced)):
+            path = os.path.join(tmp, f"{name}_serve")
+            model.export(path)
+            artifact = tf.saved_model.load(path)
+            served[name] = artifact.serve(tf.constant(x)).numpy()
+
+            archive = keras.export.ExportArchive()
+            archive.track(model)
+            archive.add_endpoint("train", training_call(model), input_signature=spec)
+            path = os.path.join(tmp, f"{name}_train")
+            archive.write_out(path, verbose=False)
+            artifact = tf.saved_model.load(path)
+            xt = tf.constant(x)
+            with tf.GradientTape() as tape:
+                tape.watch(xt)
+                y = artifact.train(xt)
+            dx = tape.gradient(y, xt, output_gradients=tf.constant(dy))
+            assert dx is not None, f"{name}: the exported training endpoint has no gradient"
+            trained[name] = (y.numpy(), dx.numpy())
+    assert np.all(np.isfinite(served["synced"])), "exported inference is not finite"
+    np.testing.assert_array_equal(served["synced"], served["plain"], err_msg="model.export")
+    here = np.asarray(synced(x, training=False))
+    assert nan_safe.max_abs_diff(served["synced"], here) <= 1e-5 * max(1.0, float(np.max(np.abs(here))))
+    for i, key in enumerate(("y", "dx")):
+        ours, keras_ = trained["synced"][i], trained["plain"][i]
+        info[f"train endpoint {key}"] = err = nan_safe.max_abs_diff(ours, keras_)
+        assert err <= 1e-4 * max(1.0, float(np.max(np.abs(keras_)))), (key, err)
+
+    if keras.backend.backend() == "tensorflow":
+        tflite = {}
+        for name, model in (("plain", plain), ("synced", synced)):
+            interpreter = tf.lite.Interpreter(model_content=tf.lite.TFLiteConverter.from_keras_model(model).convert())
+            index = interpreter.get_input_details()[0]["index"]
+            interpreter.resize_tensor_input(index, x.shape)
+            interpreter.allocate_tensors()
+            interpreter.set_tensor(index, x)
+            interpreter.invoke()
+            tflite[name] = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+        assert np.all(np.isfinite(tflite["synced"])), "TFLite inference is not finite"
+        np.testing.assert_array_equal(tflite["synced"], tflite["plain"], err_msg="TFLite")
+        info["tflite"] = "equal"
+    return info
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)
