@@ -597,6 +597,30 @@ def revert_functional_nested():
 
 
 @check
+def functional_with_operations_on_keras_tensors():
+    """A Functional model written with operators on KerasTensors (``h * h``, ``h + y``,
+    ``keras.ops.tanh``: keras.ops Operations in the graph, not layers) converts and
+    reverts, its outputs unchanged in inference and synchronized layers in place."""
+    import keras
+
+    rng = np.random.default_rng(37)
+    inputs = keras.Input((6, 6, 3))
+    h = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    h = keras.layers.BatchNormalization(name="bn0")(h)
+    h = h * h + keras.ops.tanh(h)
+    h = keras.layers.BatchNormalization(name="bn1")(h)
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling2D(name="pool")(h), name="ops_graph")
+    reverted = assert_round_trip(model, "functional with keras.ops operations", 2, rng)
+    x = rng.standard_normal((3, 6, 6, 3)).astype(np.float32)
+    want = np.asarray(model(x, training=False))
+    np.testing.assert_array_equal(np.asarray(reverted(x, training=False)), want)
+    from syncbn.keras import convert
+
+    np.testing.assert_array_equal(np.asarray(convert(model)(x, training=False)), want)
+    return {"bn_layers": 2}
+
+
+@check
 def revert_functional_subclass():
     """A Functional subclass (keras_hub ``Backbone`` pattern) comes back as its own
     class, rebuilt through its ``from_config``, with its attributes."""

@@ -160,6 +160,11 @@ class _Swap:
                 new = self.swapped(layer)
             elif _is_graph_model(layer):
                 new = self.copy(layer)  # keeps its input names and, for a subclass, its class
+            elif not isinstance(layer, keras.layers.Layer):
+                # an operation of the graph that is no layer (``h * h`` on KerasTensors is
+                # keras.ops' Multiply): copied from its config, as clone_model copies it; it
+                # holds no weights and no layers
+                new = _copy_layer(layer, self.verb)
             else:
                 if self.leaves(layer):
                     self.skipped.append(layer)
