@@ -272,6 +272,22 @@ def test_shape_errors_are_torchs(cls, channels, shape, affine, track, training):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_a_weight_held_as_a_plain_attribute_still_sets_the_channel_count():
+    """The channel check asks whether the layer holds a per-channel tensor; a weight kept
+    as a plain attribute (as FSDP1 keeps the views of its flat parameter), not a
+    registered parameter, counts, and without any the layer takes any channel count."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 3, 5) * 2 + 1
+    layer = syncbn.SyncBatchNorm(4, track_running_stats=False)
+    del layer.weight, layer.bias
+    layer.weight, layer.bias = torch.ones(4), None  # plain attributes now
+    assert "weight" not in layer._parameters
+    with pytest.raises(RuntimeError, match="expected 4 channels"):
+        layer(x)
+    layer.weight = None
+    torch.testing.assert_close(layer(x), nn.functional.batch_norm(x, None, None, training=True), rtol=0, atol=0)
+
+
 def test_nan_and_inf_propagate_like_torch():
     x = torch.randn(4, 3, 5) + 2
     x[0, 1, 2] = float("nan")

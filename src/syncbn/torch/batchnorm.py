@@ -65,8 +65,17 @@ class _SyncNormBase(_BatchNorm):
         # the channel count is checked against the layer's per-channel tensors, as torch's
         # batch norm does: a layer without any (affine=False, track_running_stats=False)
         # normalizes whatever channels it is given
-        held = any(t is not None for t in (self.weight, self.bias, self.running_mean, self.running_var))
-        check_input(input, self.num_features if held else None, type(self).__name__)
+        check_input(input, self.num_features if self._holds_channels() else None, type(self).__name__)
+
+    def _holds_channels(self) -> bool:
+        """Whether the layer holds a per-channel tensor (weight, bias, running_mean,
+        running_var). Every call asks, eval included: the usual layer is answered from
+        its parameter and buffer dicts (nn.Module's attribute lookup costs about 1 us a
+        name); only a layer with neither registered asks every attribute (a wrapper such
+        as FSDP1 may hold them as plain attributes)."""
+        if self._parameters.get("weight") is not None or self._buffers.get("running_mean") is not None:
+            return True
+        return any(getattr(self, name, None) is not None for name in ("weight", "bias", "running_mean", "running_var"))
 
     def _momentum(self, as_tensor: bool, count: bool = True):
         """Weight of this batch in the running buffers; bumps ``num_batches_tracked``

@@ -62,6 +62,12 @@ def refuse_create_graph(name: str) -> None:
         )
 
 
+def _label(name: str, layer) -> str:
+    """``name``, with the model's name for ``layer`` where syncbn.name_layers recorded one."""
+    recorded = getattr(layer, "_syncbn_name", None)
+    return name if recorded is None else f"{name} {recorded!r}"
+
+
 def refuse_export(name: str, layer=None) -> None:
     """Raise, naming the layer and the fix, while ``torch.export.export`` traces a
     training-mode call that runs one of syncbn's autograd Functions (every synchronized
@@ -74,10 +80,8 @@ def refuse_export(name: str, layer=None) -> None:
     that exports raises alike, before any collective."""
     if not distributed.exporting():
         return
-    recorded = getattr(layer, "_syncbn_name", None)  # the model's name for it (syncbn.name_layers)
-    which = name if recorded is None else f"{name} {recorded!r}"
     raise RuntimeError(
-        f"{which}: torch.export.export cannot capture this layer in training mode: the exported "
+        f"{_label(name, layer)}: torch.export.export cannot capture this layer in training mode: the exported "
         "program would keep its forward (batch statistics, all-reduced across ranks; the running-buffer "
         "update) but not its backward (a custom autograd Function, exported as its forward alone), so "
         "gradients through the layer would be missing or wrong, with no backward all-reduce. Export "
@@ -85,11 +89,6 @@ def refuse_export(name: str, layer=None) -> None:
         "call syncbn.revert_sync_batchnorm(model) first (torch's batch norms, which export with their "
         "backward; in training they normalize each rank's batch alone)."
     )
-
-
-def _label(name: str, layer) -> str:
-    recorded = getattr(layer, "_syncbn_name", None)  # the model's name for it (syncbn.name_layers)
-    return name if recorded is None else f"{name} {recorded!r}"
 
 
 def refuse_trace(name: str, layer=None) -> None:
@@ -214,21 +213,28 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
             f"{name}: number of input channels should be non-zero, got input of shape {tuple(input.shape)}"
         )
     if num_features is not None and input.shape[1] != num_features:
-        raise RuntimeError(
-            f"{name}: expected {num_features} channels in dim 1 ({source}), got input "
-            f"of shape {tuple(input.shape)} with {input.shape[1]} channels"
-        )
+        raise _channel_count_error(input, num_features, name, source)
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
 
 
+def _channel_count_error(input: Tensor, expected: int, name: str, source: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name}: expected {expected} channels in dim 1 ({source}), got input "
+        f"of shape {tuple(input.shape)} with {input.shape[1]} channels"
+    )
+
+
 def check_channels(input: Tensor, name: str = "sync_batch_norm", channels: bool = True, **tensors) -> None:
     """:func:`check_input` against the size of every per-channel tensor given (None
-    skipped): ``running_mean``, ``running_var``, ``weight``, ``bias``."""
+    skipped): ``running_mean``, ``running_var``, ``weight``, ``bias``. The input is
+    checked once, then each size (the errors and their order are those of
+    ``check_input(input, t.numel(), name, f"the size of {source}", channels)`` per tensor)."""
     check_input(input, None, name, channels=channels)
+    count = input.shape[1]
     for source, t in tensors.items():
-        if t is not None:
-            check_input(input, t.numel(), name, f"the size of {source}", channels)
+        if t is not None and t.numel() != count:
+            raise _channel_count_error(input, t.numel(), name, f"the size of {source}")
 
 
 def flat_spatial(input: Tensor) -> Tensor:
@@ -607,8 +613,9 @@ def sync_batch_norm(
     # an input without channels: F.batch_norm's empty output where this is F.batch_norm
     # (below), a ValueError before the collective where it synchronizes (as the layers)
     syncing = training and distributed.group_size(process_group) > 1
-    check_channels(input, channels=syncing, running_mean=running_mean, running_var=running_var, weight=weight,
-                   bias=bias)
+    label = name or (type(layer).__name__ if layer is not None else "sync_batch_norm")
+    check_channels(input, label, channels=syncing, running_mean=running_mean, running_var=running_var,
+                   weight=weight, bias=bias)
     _check_momentum(momentum)
     if training and recomputing():  # activation checkpointing: the buffers moved already
         running_mean = None if running_mean is None else running_mean.clone()
@@ -619,11 +626,10 @@ def sync_batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
-    refuse_export(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
-    refuse_trace(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
-    refuse_transform(name or (type(layer).__name__ if layer is not None else "sync_batch_norm"), layer)
-    check_dtypes(input, weight, bias, running_mean, running_var,
-                 name or (type(layer).__name__ if layer is not None else "sync_batch_norm"))
+    refuse_export(label, layer)
+    refuse_trace(label, layer)
+    refuse_transform(label, layer)
+    check_dtypes(input, weight, bias, running_mean, running_var, label)
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
 
 
