@@ -288,6 +288,25 @@ def test_a_weight_held_as_a_plain_attribute_still_sets_the_channel_count():
     torch.testing.assert_close(layer(x), nn.functional.batch_norm(x, None, None, training=True), rtol=0, atol=0)
 
 
+class _OwnSyncBatchNorm(syncbn.SyncBatchNorm):
+    """A user's subclass, defined in this module."""
+
+
+def test_script_refusal_names_the_class_where_it_is_defined():
+    """torch.jit.script refuses every syncbn layer; the message names syncbn's two layers
+    by their public names and any other class (timm's converted layer, a user's subclass)
+    by its module, not as a syncbn.<name> that does not exist."""
+    from syncbn.torch.timm import SyncBatchNormDropAct
+
+    layers = {"syncbn.SyncBatchNorm": syncbn.SyncBatchNorm(3), "syncbn.SyncBatchNormAct": syncbn.SyncBatchNormAct(3),
+              "syncbn.torch.timm.SyncBatchNormDropAct": SyncBatchNormDropAct(3),
+              f"{__name__}._OwnSyncBatchNorm": _OwnSyncBatchNorm(3)}
+    for name, layer in layers.items():
+        with pytest.raises(RuntimeError) as info:
+            torch.jit.script(nn.Sequential(nn.Conv2d(3, 3, 1), layer))
+        assert str(info.value).startswith(f"{name} cannot be compiled by torch.jit.script"), str(info.value)
+
+
 def test_nan_and_inf_propagate_like_torch():
     x = torch.randn(4, 3, 5) + 2
     x[0, 1, 2] = float("nan")

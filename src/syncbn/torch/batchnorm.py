@@ -52,9 +52,13 @@ class _SyncNormBase(_BatchNorm):
         with the fix, rather than fail deep in TorchScript's compiler (the forward calls
         an autograd Function and ``torch.distributed``; torch.nn.SyncBatchNorm does not
         script either). Raised before the model is changed, alike on every rank."""
-        name = type(self).__name__
+        cls = type(self)
+        # syncbn's two layers by their public name; any other class (timm's converted
+        # layer, a user's subclass) by where it is defined
+        public = cls.__module__ in ("syncbn.torch.batchnorm", "syncbn.torch.batchnorm_act")
+        name = f"syncbn.{cls.__name__}" if public else f"{cls.__module__}.{cls.__qualname__}"
         raise RuntimeError(
-            f"syncbn.{name} cannot be compiled by torch.jit.script (torch.nn.SyncBatchNorm cannot "
+            f"{name} cannot be compiled by torch.jit.script (torch.nn.SyncBatchNorm cannot "
             f"either). Call syncbn.revert_sync_batchnorm(model) first: it turns the layers back into "
             f"torch's own batch norms in place, with the same parameters and state_dict "
             f"(convert_sync_batchnorm again to go on training). Or, for inference, export the "
