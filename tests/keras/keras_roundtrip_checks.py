@@ -913,5 +913,168 @@ def export_serves_keras_predictions():
     return info
 
 
+# ------------------------------------------------------- state outside configs and weights
+
+
+def assert_same_inference(copies, model, x, where):
+    """Each copy's inference output is exactly ``model``'s."""
+    import keras
+
+    want = np.asarray(keras.ops.convert_to_numpy(model(x, training=False)))
+    for label, copy in copies.items():
+        got = np.asarray(keras.ops.convert_to_numpy(copy(x, training=False)))
+        assert np.all(np.isfinite(got)), f"{where}, {label}: not finite"
+        np.testing.assert_array_equal(got, want, err_msg=f"{where}, {label}")
+
+
+@check
+def convert_keeps_adapted_preprocessing_state():
+    """Preprocessing layers after ``adapt``: a Normalization's mean and variance (its
+    weights, from which it derives what it computes with only when it loads) and an
+    IntegerLookup's vocabulary (no weight at all) carry over to ``convert(model)`` and
+    ``revert(convert(model))``, whose outputs are exactly the original's. A copy from
+    configs and ``set_weights`` normalized with mean 0, variance 1 (silently), and its
+    lookup raised "Table not initialized"."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(40)
+    x = (rng.standard_normal((8, 4)) * 3 + 2).astype(np.float32)
+    norm = keras.layers.Normalization(name="norm")
+    norm.adapt(x)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(norm(inputs)))
+    randomize(model.get_layer("bn"), rng)
+    synced = convert(model)
+    assert_same_inference({"convert": synced, "revert(convert)": revert(synced)}, model, x, "adapted Normalization")
+
+    lookup = keras.layers.IntegerLookup(name="lookup")
+    lookup.adapt(np.array([[5, 7, 9, 5, 5, 11]]))
+    ids = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(8, 2, name="embed")(lookup(ids))
+    model = keras.Model(ids, keras.layers.BatchNormalization(name="bn")(h))
+    randomize(model.get_layer("bn"), rng)
+    synced = convert(model)
+    tokens = np.array([[5, 9, 3], [7, 11, 5]], np.int32)
+    assert_same_inference({"convert": synced, "revert(convert)": revert(synced)}, model, tokens, "adapted IntegerLookup")
+    return {"vocabulary": len(synced.get_layer("lookup").get_vocabulary())}
+
+
+@check
+def convert_keeps_stateful_rnn_states():
+    """A stateful GRU part way through its sequences: the copies hold its current states
+    (which neither ``clone_model`` nor a ``.keras`` file keeps), so they go on exactly as
+    the original does."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(41)
+    inputs = keras.Input(batch_shape=(2, 3, 4))
+    h = keras.layers.BatchNormalization(name="bn")(inputs)
+    model = keras.Model(inputs, keras.layers.GRU(3, stateful=True, name="gru")(h))
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    model(x)
+    model(x)  # states away from zero
+    states = [np.array(keras.ops.convert_to_numpy(s)) for s in model.get_layer("gru").states]
+    assert any(np.abs(s).max() > 0.01 for s in states), "vacuous: the states did not move"
+    synced = convert(model)
+    back = revert(synced)
+    for label, copy in (("convert", synced), ("revert(convert)", back)):
+        got = [np.array(keras.ops.convert_to_numpy(s)) for s in copy.get_layer("gru").states]
+        for a, b in zip(got, states):
+            np.testing.assert_array_equal(a, b, err_msg=f"{label}: stateful GRU's states")
+    # each call moves the states, so each model is called once, from the same states
+    assert_same_inference({"convert": synced, "revert(convert)": back}, model, x, "stateful GRU")
+    return {}
+
+
+@check
+def convert_keeps_trainable_flags_of_models():
+    """A frozen Functional model (``model.trainable = False``) and a frozen nested model:
+    every layer's ``trainable`` flag in the copies is the original's, the models' and
+    their input layers' included (``clone_model`` sets them back to True)."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    def flags(model):
+        return [(layer.name, layer.trainable) for layer in model._flatten_layers()]
+
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.BatchNormalization()], name="inner")
+    inner.trainable = False
+    inputs = keras.Input((4,))
+    nested = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(inner(inputs)), name="nested")
+    inputs = keras.Input((4,))
+    frozen = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(4)(inputs)), name="frozen")
+    frozen.trainable = False
+    info = {}
+    for model in (nested, frozen):
+        synced = convert(model)
+        for label, copy in (("convert", synced), ("revert(convert)", revert(synced))):
+            assert flags(copy) == flags(model), (model.name, label, flags(copy), flags(model))
+            assert [w.path for w in copy.trainable_weights] == [w.path for w in model.trainable_weights], (model.name, label)
+        info[model.name] = sum(not t for _, t in flags(model))
+    return {"frozen layers": info}
+
+
+@check
+def converted_copy_is_not_compiled():
+    """``convert`` and ``revert`` never compile their copy, as documented (compile it in
+    the strategy's scope): a compiled Functional model gave a compiled copy (through
+    ``clone_model``, with a fresh optimizer) where a subclass gave an uncompiled one. The
+    original stays compiled."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(4)(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    synced = convert(model)
+    assert not synced.compiled and getattr(synced, "optimizer", None) is None, "convert compiled its copy"
+    assert not revert(synced).compiled, "revert compiled its copy"
+    assert model.compiled and model.optimizer is not None, "the original lost its compile state"
+    return {}
+
+
+@check
+def convert_warns_of_attributes_outside_the_config():
+    """A custom layer's attribute set after construction (not in its config) cannot be
+    copied from configs: ``convert`` warns, naming the layer and the attribute (as a copy
+    by ``clone_model`` or a ``.keras`` file, the copy has the constructor's value). An
+    attribute the copy has alike gives no warning."""
+    import warnings
+
+    import keras
+
+    from syncbn.keras import convert
+
+    @keras.saving.register_keras_serializable(package="syncbn_state")
+    class Scale(keras.layers.Layer):
+        def __init__(self, name=None, **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.factor = 1.0
+
+        def call(self, x):
+            return x * self.factor
+
+    def converted(layer):
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(layer(inputs)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            convert(model)
+        return [str(w.message) for w in caught if "attributes" in str(w.message)]
+
+    assert converted(Scale(name="scale")) == [], "warned of an attribute the copy has alike"
+    layer = Scale(name="scale")
+    layer.factor = 5.0
+    messages = converted(layer)
+    assert len(messages) == 1 and "scale.factor (5.0; the copy has 1.0)" in messages[0], messages
+    return {}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)

@@ -5,6 +5,7 @@ way."""
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import warnings
 
 import keras
@@ -54,9 +55,17 @@ def convert(model):
     saved from the original loads into ``convert`` of a model that loaded it (load,
     then convert), and one saved from ``revert(model)`` into the plain model.
 
-    The copy is not compiled: compile it (inside ``strategy.scope()`` when training
-    with a ``tf.distribute`` strategy, and build or convert it there as well so that
-    its variables are mirrored).
+    Each copied layer gets the original's state as a ``.keras`` file carries it, through
+    Keras's own ``save_own_variables`` / ``load_own_variables`` and ``save_assets`` /
+    ``load_assets``: its weights, an adapted ``Normalization``'s statistics, an adapted
+    lookup layer's vocabulary; and a stateful RNN's current states, with every model's
+    ``trainable`` flag. Python attributes set after construction and absent from the
+    config cannot be copied: a public one of a plain value (a number, a string) that the
+    copy has otherwise is named in a warning. Seed generators (Dropout) start afresh.
+
+    The copy is not compiled, whether or not ``model`` was: compile it (inside
+    ``strategy.scope()`` when training with a ``tf.distribute`` strategy, and build or
+    convert it there as well so that its variables are mirrored).
     """
     return _Swap.to_sync().run(model)
 
@@ -96,6 +105,7 @@ class _Swap:
         self._leaves = leaves
         self.skipped = []
         self.swaps = 0  # batch norm layers swapped so far, to know which owners held one
+        self.differing = []  # attributes that the copy, made from configs, has otherwise
         # id(layer) -> (layer, its copy): a layer met twice (shared by nested models, held
         # in two places) gets one copy; the layer is kept so that its id stays its own.
         self._copies = {}
@@ -128,6 +138,14 @@ class _Swap:
                 f"were (only {self.source.__name__} itself is replaced): " + "; ".join(names),
                 stacklevel=3,
             )
+        if self.differing:
+            warnings.warn(
+                f"syncbn.keras.{self.verb}: the copy is rebuilt from each layer's config and "
+                "state (as a .keras file is), and these attributes, set outside the config, "
+                "differ in it: " + "; ".join(self.differing) + ". Put them in the layer's "
+                "get_config() (or set them on the copy)",
+                stacklevel=3,
+            )
         return result
 
     def copy(self, model):
@@ -144,7 +162,7 @@ class _Swap:
             if model.built:
                 if not new.built:
                     _build_like(new, model, self.verb)
-                new.set_weights(model.get_weights())
+                self.differing += _copy_state(model, new)
             if _is_graph_model(new):
                 self.retype_within(new, set())
             else:
@@ -174,11 +192,13 @@ class _Swap:
             return new
 
         inputs = None if isinstance(model, keras.Sequential) else _inputs_like(model)
-        new_model = keras.models.clone_model(model, input_tensors=inputs, clone_function=clone)
+        with _not_compiled(model):  # clone_model would compile the copy from model's compile config
+            new_model = keras.models.clone_model(model, input_tensors=inputs, clone_function=clone)
+        _keep_trainable_flags(model, new_model)
         seen = set()
         for old, new in copies:
             if old.built and new.built:
-                new.set_weights(old.get_weights())
+                self.differing += _copy_state(old, new)
             self.swap_within(new, seen)
         return new_model
 
@@ -454,6 +474,72 @@ def _copy_layer(layer, verb):
             f"its config ({type(err).__name__}: {err}); give it a get_config() that its "
             f"constructor accepts"
         ) from err
+
+
+def _copy_state(old, new):
+    """Give ``new`` (a fresh copy of ``old`` from its config, built as ``old`` is) ``old``'s
+    state as a ``.keras`` file carries it, layer by layer: ``save_own_variables`` into the
+    copy's ``load_own_variables`` (the weights, and what a layer derives from them when it
+    loads: an adapted ``Normalization``'s mean and variance, which ``set_weights`` leaves
+    at their initial values), then ``save_assets`` into ``load_assets`` (an adapted lookup
+    layer's vocabulary, which no weight holds). A stateful RNN's current states, which
+    neither a file nor ``clone_model`` keeps, are copied too. Where the two layer trees
+    differ, the weights are copied as ``set_weights`` copies them.
+
+    Returns ``layer.attribute`` for each public attribute of a plain value (a number, a
+    string, a bool, None) that the copy has otherwise than ``old``: set after
+    construction and absent from the config, no copy can know it."""
+    olds = list(old._flatten_layers(include_self=True, recursive=True))
+    news = list(new._flatten_layers(include_self=True, recursive=True))
+    if len(olds) != len(news) or any(type(a) is not type(b) for a, b in zip(olds, news)):
+        new.set_weights(old.get_weights())
+        return []
+    differing = []
+    for a, b in zip(olds, news):
+        store = {}
+        a.save_own_variables(store)
+        b.load_own_variables(store)
+        if callable(getattr(a, "save_assets", None)) and callable(getattr(b, "load_assets", None)):
+            with tempfile.TemporaryDirectory() as assets:
+                a.save_assets(assets)
+                b.load_assets(assets)
+        if isinstance(a, keras.layers.RNN) and a.stateful and a.states is not None and b.states is not None:
+            for va, vb in zip(keras.tree.flatten(a.states), keras.tree.flatten(b.states)):
+                vb.assign(va)
+        ours = vars(b)
+        for key, value in vars(a).items():
+            if key.startswith("_") or key == "name" or not isinstance(value, (bool, int, float, str, type(None))):
+                continue
+            if key not in ours or type(ours[key]) is not type(value) or ours[key] != value:
+                differing.append(f"{a.name}.{key} ({value!r}; the copy has {ours.get(key, 'no such attribute')!r})")
+    return differing
+
+
+@contextlib.contextmanager
+def _not_compiled(model):
+    """``model`` seen as not compiled, so that ``keras.models.clone_model`` of it (which
+    compiles its copy from ``model``'s compile config, a fresh optimizer) does not
+    compile the copy: a copy is never compiled (see :func:`convert`)."""
+    compiled = getattr(model, "compiled", False) is True
+    if compiled:
+        model.compiled = False
+    try:
+        yield
+    finally:
+        if compiled:
+            model.compiled = True
+
+
+def _keep_trainable_flags(old, new):
+    """The ``trainable`` flags that ``clone_model`` drops (a Functional model's own and its
+    input layers'; the other layers' are in their configs) as ``old`` has them."""
+    olds = list(old._flatten_layers(include_self=True, recursive=False))
+    news = list(new._flatten_layers(include_self=True, recursive=False))
+    if len(olds) != len(news):
+        return
+    for a, b in zip(olds, news):
+        if (_is_graph_model(a) or isinstance(a, keras.layers.InputLayer)) and b.trainable != a.trainable:
+            b._trainable = a.trainable
 
 
 def _inputs_like(model):
