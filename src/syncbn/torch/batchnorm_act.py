@@ -133,7 +133,8 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import check_dtypes, flat_spatial, refuse_create_graph, refuse_export, refuse_trace, refuse_transform
+from .functional import (check_dtypes, flat_spatial, refuse_create_graph, refuse_export, refuse_trace,
+                         refuse_transform, unflat_spatial)
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -757,7 +758,7 @@ def _compiling() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
-def _under_transform(*tensors) -> bool:
+def _dual(*tensors) -> bool:
     """Whether any of ``tensors`` is a forward-mode dual tensor (only to name the layer in
     an error; nothing else depends on it). ``torch.func`` transforms are refused before
     this, by :func:`syncbn.torch.functional.refuse_transform`."""
@@ -869,7 +870,7 @@ class SyncBatchNormAct(_SyncNormBase):
         local_plain = not (bn_training and self.training)  # eval: running or local batch stats
         if not local_plain:  # its Functions, in any world size (before the momentum count moves)
             refuse_transform(type(self).__name__, self)
-        if not local_plain and _under_transform(input, self.weight, self.bias):
+        if not local_plain and _dual(input, self.weight, self.bias):
             raise RuntimeError(
                 "SyncBatchNormAct: torch.func transforms and forward-mode AD are not supported in "
                 "training mode (the backward pass is rebuilt from the output by a custom autograd "
@@ -924,9 +925,9 @@ class SyncBatchNormAct(_SyncNormBase):
                 "statistics moved, as with BatchNorm followed by an in-place activation). Pass the "
                 "layer a computed tensor, or set inplace=False."
             )
-        if given.dim() > 5:  # written over the input's view in place: the input itself
-            return given if inplace else out.unflatten(2, given.shape[2:])
-        return out
+        if inplace and given is not input:  # beyond 5 dims: written over the input's (N, C, L) view
+            return given
+        return unflat_spatial(out, given)
 
     def extra_repr(self) -> str:
         text = f"{self.num_features}, activation={self.activation!r}"

@@ -44,7 +44,7 @@ from torch import Tensor
 from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "check_dtypes", "recomputing",
+__all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "unflat_spatial", "check_dtypes", "recomputing",
            "refuse_create_graph", "refuse_export", "refuse_trace", "refuse_transform"]
 
 
@@ -241,8 +241,13 @@ def flat_spatial(input: Tensor) -> Tensor:
     """``input`` as (N, C, L) where it has more than 5 dims (the statistics of a channel
     are over dim 0 and every dim after 1 alike; a view where the dims merge, else a copy),
     so that every path (kernels, layouts) sees at most 5 dims; itself otherwise. The
-    result's ``unflatten(2, input.shape[2:])`` has the input's shape."""
+    result's :func:`unflat_spatial` has the input's shape."""
     return input.flatten(2) if input.dim() > 5 else input
+
+
+def unflat_spatial(output: Tensor, input: Tensor) -> Tensor:
+    """``output``, computed on ``flat_spatial(input)``, in ``input``'s shape (a view)."""
+    return output.unflatten(2, input.shape[2:]) if input.dim() > 5 else output
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -652,4 +657,4 @@ def _synchronized(input, weight, bias, running_mean, running_var, eps, momentum,
     y = _SyncBatchNorm.apply(
         flat_spatial(input), weight, bias, running_mean, running_var, eps, momentum, process_group, tag
     )
-    return y.unflatten(2, input.shape[2:]) if input.dim() > 5 else y
+    return unflat_spatial(y, input)
