@@ -1,6 +1,7 @@
 """convert_sync_batchnorm / revert_sync_batchnorm on a torchvision-like model built here."""
 
 import copy
+import gc
 import pickle
 import warnings
 
@@ -300,7 +301,8 @@ def _fused_names(model):
                                    "activation_hook"])
 def test_group5_fusion_and_conversion_keep_per_module_state(state):
     """Group 5: a pruned or parametrized weight and module hooks are never dropped: the
-    batch norm is left unfused (and unconverted), with a warning naming it."""
+    batch norm is left unfused, with a warning naming it; conversion leaves a pruned or
+    parametrized one local too, and moves a plain layer's hooks to its synchronized form."""
     from torch.nn.utils import parametrize, prune
 
     class Scale(nn.Module):
@@ -330,11 +332,18 @@ def test_group5_fusion_and_conversion_keep_per_module_state(state):
     ref = _fuse_expecting(model, {"1": reason}, ref=build().double())
     assert _fused_names(model) == []
     _same_as_unfused(model, ref, _image)
-    if state != "activation_hook":
+    if state in ("pruned", "parametrized"):
         converted = build()
         with pytest.warns(UserWarning, match=rf"left 1 of 1 BatchNorm layers local .*\(1: .*{reason}"):
             syncbn.convert_sync_batchnorm(converted)
         assert type(converted[1]) is nn.BatchNorm2d or parametrize.is_parametrized(converted[1])
+        _same_as_unfused(converted, build().double(), _image)
+    elif state != "activation_hook":
+        converted = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            syncbn.convert_sync_batchnorm(converted)
+        assert type(converted[1]) is syncbn.SyncBatchNorm
         _same_as_unfused(converted, build().double(), _image)
 
 
@@ -667,6 +676,95 @@ def test_buffers_set_to_none_stay_none_through_convert_and_revert(cleared):
         assert all(t.device.type == "cpu" for t in layer.state_dict().values())
         assert list(layer.state_dict()) == list(bn.state_dict())
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+def test_hooks_on_a_batch_norm_move_with_it_through_convert_and_revert():
+    """A framework's hooks on a batch norm (forward, forward-pre with kwargs, full backward,
+    state_dict and load_state_dict) fire on the synchronized layer and again on the reverted
+    one, and the handles that registered them still remove them. The layer is synchronized,
+    not left local; an optimizer built before keeps training the same parameters."""
+    model = _seeded(_stem())
+    bn = model[1]
+    seen = []
+
+    def note(kind):
+        return lambda m, *args: seen.append((kind, type(m).__name__))
+
+    handles = [
+        bn.register_forward_hook(note("forward")),
+        bn.register_forward_pre_hook(note("pre_kwargs"), with_kwargs=True),
+        bn.register_full_backward_hook(note("backward")),
+        bn.register_state_dict_post_hook(note("state_dict")),
+        bn.register_load_state_dict_pre_hook(note("load_pre")),
+        bn.register_load_state_dict_post_hook(note("load_post")),
+    ]
+    del bn  # the replaced layer goes: a hook torch holds with a weak reference to it still runs
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left local
+        model = syncbn.convert_sync_batchnorm(model)
+    gc.collect()
+    expected = ["pre_kwargs", "forward", "backward", "state_dict", "load_pre", "load_post"]
+    for layer_type in ("SyncBatchNorm", "BatchNorm2d"):
+        assert type(model[1]).__name__ == layer_type
+        seen.clear()
+        model.train()
+        model(_image(0).requires_grad_()).sum().backward()
+        model.load_state_dict(model.state_dict())
+        assert seen == [(kind, layer_type) for kind in expected]
+        before = model[1].weight.detach().clone()
+        optimizer.step()
+        assert not torch.equal(model[1].weight, before) and torch.isfinite(model[1].weight).all()
+        model = syncbn.revert_sync_batchnorm(model)
+        gc.collect()
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    model(_image(1).requires_grad_()).sum().backward()
+    model.load_state_dict(model.state_dict())
+    assert seen == []
+
+
+def test_user_attributes_and_non_persistent_buffers_survive_convert_fuse_and_revert():
+    """Attributes a user or a framework set on a batch norm (torch's converter drops them)
+    and a buffer kept out of the state_dict stay as they were through every conversion."""
+    model = _seeded(_stem())
+    bn = model[1]
+    bn.freeze_at_epoch = 3
+    bn._framework_tag = ("backbone", 1)
+    bn._non_persistent_buffers_set.add("num_batches_tracked")
+    keys = list(model.state_dict())
+    for step in (syncbn.convert_sync_batchnorm, syncbn.fuse_batchnorm_act, syncbn.revert_sync_batchnorm):
+        model = step(model)
+        layer = model[1]
+        assert (layer.freeze_at_epoch, layer._framework_tag) == (3, ("backbone", 1)), step.__name__
+        assert list(model.state_dict()) == keys, step.__name__
+    assert type(model[1]) is nn.BatchNorm2d and "process_group" not in model[1].__dict__
+
+
+class _FrozenBN(nn.BatchNorm2d):
+    """A frozen batch norm as detection codebases write it: always in eval mode."""
+
+    def train(self, mode=True):
+        return super().train(False)
+
+
+def test_a_subclass_overriding_more_than_forward_stays_local():
+    """torch's converter turns every BatchNorm subclass into a plain SyncBatchNorm; one that
+    overrides ``train`` (kept frozen) would then start updating and synchronizing its
+    statistics. It stays local, named with the method, and is not fused either."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 1), _FrozenBN(4), nn.LeakyReLU(0.1), nn.BatchNorm2d(4))
+    with pytest.warns(UserWarning, match=r"left 1 of 2 .*_FrozenBN \(it overrides train; teach"):
+        model = syncbn.convert_sync_batchnorm(model)
+    assert type(model[1]) is _FrozenBN and isinstance(model[3], syncbn.SyncBatchNorm)
+    with pytest.raises(ValueError, match="overrides train"):
+        syncbn.convert_sync_batchnorm(nn.Sequential(_FrozenBN(4)), strict=True)
+    with pytest.warns(UserWarning, match=r"1 \(its class overrides train\)"):
+        syncbn.fuse_batchnorm_act(model)
+    before = model[1].running_mean.clone()
+    model.train()
+    model(_image(0))
+    assert not model[1].training and torch.equal(model[1].running_mean, before)
 
 
 def _two_pairs(second_activation):

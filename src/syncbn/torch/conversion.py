@@ -3,15 +3,17 @@ and back again for single-device inference and export.
 
 The swap moves the very same parameter and buffer tensors into the new module, so an
 optimizer built before the conversion keeps working, and values, ``requires_grad``,
-device, dtype and the ``training`` flag are kept. A BatchNorm subclass that overrides
-``forward`` (an activation or dropout after the normalization) is never replaced by a
-plain layer that would drop that behaviour: it is left as it is, with a warning that
-counts the layers left local (or an error, with ``strict=True``), unless a conversion
-for its class was registered with :func:`register_conversion`. timm's norm-act layers
-are registered that way (:mod:`syncbn.torch.timm`) as soon as timm is imported. So is a layer
-whose behaviour lives outside its parameters and buffers (a weight pruned with
-``torch.nn.utils.prune`` or parametrized with ``torch.nn.utils.parametrize``, module or
-state-dict hooks): moving its tensors would silently drop that behaviour.
+device, dtype, the ``training`` flag, attributes set on the instance and (for a plain
+layer) its module hooks are kept. A BatchNorm subclass that overrides ``forward`` (an
+activation or dropout after the normalization) or another method of torch's batch norm
+(``train``, to keep a frozen layer in eval mode) is never replaced by a plain layer that
+would drop that behaviour: it is left as it is, with a warning that counts the layers
+left local (or an error, with ``strict=True``), unless a conversion for its class was
+registered with :func:`register_conversion`. timm's norm-act layers are registered that
+way (:mod:`syncbn.torch.timm`) as soon as timm is imported. So is a layer whose behaviour
+lives outside its parameters and buffers (a weight pruned with ``torch.nn.utils.prune``
+or parametrized with ``torch.nn.utils.parametrize``; hooks on a layer of a registered
+class): moving its tensors would silently drop that behaviour.
 
 :func:`fuse_batchnorm_act` goes one step further for memory: each batch norm followed
 directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct`.
@@ -26,6 +28,7 @@ import math
 import operator
 import sys
 import warnings
+import weakref
 from collections import Counter
 from typing import Callable, Optional
 
@@ -41,7 +44,6 @@ __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_ac
 
 # classes whose forward is plain batch norm over the whole batch
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, BatchNormNd)
-_FORWARDS = {cls.forward for cls in _PLAIN_BN} | {_BatchNorm.forward}
 # what revert gives back: the rank-specific torch class a layer came from, if any; else
 # (origin unknown or rank-agnostic) BatchNormNd, which takes every input the layer took
 _RANKED_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -53,22 +55,75 @@ _HOOK_DICTS = (
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
     "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
 )
+# what torch keeps beside the hook dictionaries, keyed by the same handle ids
+_HOOK_COMPANIONS = (
+    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+    "_is_full_backward_hook",
+)
 _GLOBAL_HOOKS = (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
 )
 _MISSING = object()
 
 
+# methods a batch-norm subclass may define and still be a plain batch norm: a layer of it
+# computes, trains, saves and loads as torch's layer does
+_HARMLESS_METHODS = {"__init__", "_check_input_dim", "extra_repr"}
+
+
+def _overridden(cls: type, bases: tuple) -> list:
+    """The methods of torch's batch norm that ``cls`` (or a class between it and the first
+    of ``bases`` in its MRO) redefines, beyond those in :data:`_HARMLESS_METHODS`: ``train``
+    kept in eval (a frozen layer), ``forward``, ``_load_from_state_dict``, ... A converted
+    or reverted layer would lose them."""
+    found = []
+    for c in cls.__mro__:
+        if c in bases or c is _BatchNorm:
+            break
+        for name, value in vars(c).items():
+            if name not in _HARMLESS_METHODS and name not in found and hasattr(_BatchNorm, name) and (
+                callable(value) or isinstance(value, (property, staticmethod, classmethod))
+            ):
+                found.append(name)
+    return found
+
+
+def _class_of(m: nn.Module) -> type:
+    """``m``'s class, not the subclass ``torch.nn.utils.parametrize`` makes for a
+    parametrized module (what its ``remove_parametrizations`` restores)."""
+    from torch.nn.utils import parametrize
+
+    return type(m).__bases__[0] if parametrize.is_parametrized(m) else type(m)
+
+
 def _is_plain(module: nn.Module) -> bool:
-    return isinstance(module, _BatchNorm) and type(module).forward in _FORWARDS
+    return isinstance(module, _BatchNorm) and not _overridden(_class_of(module), _PLAIN_BN)
 
 
-def _move_state(src: nn.Module, dst: nn.Module) -> nn.Module:
+def _own_attribute_names() -> set:
+    """The instance attributes that syncbn's and torch's batch norms set themselves."""
+    if not _STANDARD_ATTRIBUTES:
+        for layer in (nn.BatchNorm2d(1, device="meta"), SyncBatchNorm(1, device="meta"),
+                      SyncBatchNormAct(1, device="meta")):
+            _STANDARD_ATTRIBUTES.update(layer.__dict__)
+    return _STANDARD_ATTRIBUTES
+
+
+_STANDARD_ATTRIBUTES: set = set()
+
+
+def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: bool = False) -> nn.Module:
     """Give ``dst`` the parameters, buffers and flags of ``src`` (the same tensors).
 
     A batch-norm buffer that ``src`` lacks or holds as None (``bn.running_mean = None``,
     torch's way to normalize with batch statistics in eval mode) is None in ``dst``
-    too, not the placeholder ``dst`` was built with (on the meta device)."""
+    too, not the placeholder ``dst`` was built with (on the meta device). A buffer
+    ``src`` keeps out of its ``state_dict`` stays out of ``dst``'s.
+
+    With ``attributes``, ``dst`` also gets the attributes set on the ``src`` instance
+    that no batch norm sets itself (a user's or a framework's flags); with ``hooks``,
+    ``src``'s module hooks: the same hook dictionaries, so the handles that registered
+    them still remove them."""
     for name in ("weight", "bias"):  # a BN built with bias=False keeps no bias
         if name in dst._parameters:
             dst._parameters[name] = src._parameters.get(name)
@@ -77,17 +132,36 @@ def _move_state(src: nn.Module, dst: nn.Module) -> nn.Module:
     for name in _BN_BUFFERS:
         if name in dst._buffers and src._buffers.get(name) is None:
             dst._buffers[name] = None
+    dst._non_persistent_buffers_set = (dst._non_persistent_buffers_set - set(src._buffers)) | (
+        src._non_persistent_buffers_set & set(dst._buffers))
     dst.train(src.training)
     if hasattr(src, "qconfig"):
         dst.qconfig = src.qconfig
+    if attributes:
+        standard = _own_attribute_names()
+        for name, value in src.__dict__.items():
+            if name not in standard and name not in dst.__dict__ and not name.startswith("_syncbn"):
+                dst.__dict__[name] = value
+    if hooks:
+        for name in _HOOK_DICTS + _HOOK_COMPANIONS:
+            if name in src.__dict__:
+                dst.__dict__[name] = src.__dict__[name]
+        # torch holds a load_state_dict pre-hook with a weak reference to its module, which
+        # it passes to the hook: make that ``dst`` (``src`` is about to go, and a dead
+        # module makes the hook raise)
+        for hook in dst._load_state_dict_pre_hooks.values():
+            module = getattr(hook, "module", None)
+            if getattr(hook, "with_module", False) and callable(module) and module() is src:
+                hook.module = weakref.ref(dst)
     return dst
 
 
-def _synchronized(cls, bn: nn.Module, process_group, **kwargs) -> nn.Module:
+def _synchronized(cls, bn: nn.Module, process_group, *, carry: dict | None = None, **kwargs) -> nn.Module:
     """A ``cls`` layer (SyncBatchNorm or SyncBatchNormAct) holding ``bn``'s state.
 
     The group is ``process_group``, else the one ``bn`` already synchronizes over; the
-    layer remembers the plain torch class ``bn`` came from, for the revert.
+    layer remembers the plain torch class ``bn`` came from, for the revert. ``carry``:
+    the keyword arguments of :func:`_move_state` (what else moves over).
     """
     group = process_group
     if group is None and isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)):
@@ -103,7 +177,7 @@ def _synchronized(cls, bn: nn.Module, process_group, **kwargs) -> nn.Module:
         bias=bn.bias is not None or not bn.affine,
         **kwargs,
     )
-    new = _move_state(bn, new)
+    new = _move_state(bn, new, **(carry or {}))
     new._syncbn_origin = getattr(bn, "_syncbn_origin", type(bn))
     return new
 
@@ -200,11 +274,12 @@ def _classify(m: nn.Module, name: str = ""):
             return None
         if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
             return "uninitialized lazy module: run one batch first"
-        if not _is_plain(m):
-            return "it overrides forward; teach the converter with syncbn.register_conversion"
+        overridden = _overridden(_class_of(m), _PLAIN_BN)
+        if overridden:
+            return f"it overrides {', '.join(overridden)}; teach the converter with syncbn.register_conversion"
     # a registered conversion moves the layer's own tensors, but not hooks, pruning or
-    # parametrizations: those stay local too
-    why = _why_not_movable(m, extra_tensors=not registered)
+    # parametrizations: those stay local too. A plain layer's hooks move with it.
+    why = _why_not_movable(m, extra_tensors=not registered, hooks=registered)
     if why is not None:
         return f"{name or type(m).__name__}: {why}"
     return "registered" if registered else "plain"
@@ -222,9 +297,13 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given. A layer
     registered in several places becomes one synchronized layer held in all of them.
 
-    A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` with
-    no registered conversion, an uninitialized lazy module, a layer whose behaviour lives
-    outside its parameters and buffers: a pruned or parametrized weight, module hooks;
+    A plain layer's module hooks and instance attributes move to its replacement (the
+    same hook dictionaries: their handles still remove them).
+
+    A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` or
+    another of torch's batch-norm methods, such as ``train``, with no registered
+    conversion, an uninitialized lazy module, a layer whose behaviour lives outside its
+    parameters and buffers: a pruned or parametrized weight, hooks on a registered class;
     a batch norm inside TorchScript code, ``torch.jit.script`` or ``trace``) stays local:
     a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
@@ -259,7 +338,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     def swap(m: nn.Module) -> nn.Module:
         kind = decisions.get(id(m))
         if kind == "plain":
-            return _synchronized(SyncBatchNorm, m, process_group)
+            return _synchronized(SyncBatchNorm, m, process_group, carry={"attributes": True, "hooks": True})
         if kind == "registered":
             new = _CONVERSIONS[type(m)][0](m, process_group)
             if new is not m and "_syncbn_origin" not in new.__dict__:
@@ -302,9 +381,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct)}
     restored = {id(p._syncbn_fused_into) for p in placeholders if id(p._syncbn_fused_into) in layers}
 
+    def plain(m: nn.Module) -> bool:  # a SyncBatchNorm that reverts to a plain batch norm
+        return (isinstance(m, SyncBatchNorm) and _registered(m.__dict__.get("_syncbn_origin")) is None
+                and not _overridden(_class_of(m), (SyncBatchNorm,)))
+
     def swap(m: nn.Module) -> nn.Module:
         if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
-            why = _why_not_movable(m)
+            why = _why_not_movable(m, hooks=not plain(m))  # a plain layer's hooks move with it
             if why is not None:
                 skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
                 restored.discard(id(m))
@@ -319,9 +402,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             if id(m) in restored:  # its activation comes back in its own place
                 return bn
             return nn.Sequential(bn, _activation_module(m))
-        if not isinstance(m, SyncBatchNorm) or type(m).forward is not SyncBatchNorm.forward:
+        if not plain(m):
             return m
-        return _plain_batchnorm(m)
+        return _plain_batchnorm(m, hooks=True)
 
     # the layers first (a skipped fused layer keeps its placeholder), then the placeholders
     module = _replace(module, lambda m: m if isinstance(m, _FusedActivation) else swap(m))
@@ -334,13 +417,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     return result
 
 
-def _plain_batchnorm(m: nn.Module) -> nn.Module:
+def _plain_batchnorm(m: nn.Module, hooks: bool = False) -> nn.Module:
     origin = m.__dict__.get("_syncbn_origin")
     # the rank-specific torch class the layer came from (a subclass reverts to its torch
     # base); a layer of unknown or rank-agnostic origin takes any rank, and so does its revert
     cls = next((c for c in getattr(origin, "__mro__", ()) if c in _RANKED_BN), BatchNormNd)
     new = cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, device="meta")
-    return _move_state(m, new)
+    return _move_state(m, new, attributes=True, hooks=hooks)
 
 
 # ---- fusing batch norm + activation ------------------------------------------------
@@ -393,13 +476,14 @@ def _activation_module(m: SyncBatchNormAct) -> nn.Module:
 def _fusable_batchnorm(m: nn.Module) -> bool:
     if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
         return False
-    return _is_plain(m) or (isinstance(m, SyncBatchNorm) and type(m).forward is SyncBatchNorm.forward)
+    return _is_plain(m) or (isinstance(m, SyncBatchNorm) and not _overridden(_class_of(m), (SyncBatchNorm,)))
 
 
 def _fuse(bn: nn.Module, act: nn.Module, spec, process_group, inplace: bool):
     """The SyncBatchNormAct replacing ``bn`` followed by ``act``, and act's placeholder."""
     new = _synchronized(
-        SyncBatchNormAct, bn, process_group, activation=spec[0], activation_param=spec[1], inplace=inplace
+        SyncBatchNormAct, bn, process_group, activation=spec[0], activation_param=spec[1], inplace=inplace,
+        carry={"attributes": True},
     )
     return new, _FusedActivation(act, new)
 
@@ -575,19 +659,19 @@ def _changed_in_place(root: nn.Module, node) -> str | None:
     return None
 
 
-def _why_not_movable(m: nn.Module, extra_tensors: bool = True) -> str | None:
+def _why_not_movable(m: nn.Module, extra_tensors: bool = True, hooks: bool = True) -> str | None:
     """Why ``m``'s behaviour would not survive moving its parameters and buffers into a
-    new module (pruned or parametrized weights, hooks, a replaced forward, and with
-    ``extra_tensors`` parameters or buffers beyond batch norm's own), or None."""
+    new module (pruned or parametrized weights, with ``hooks`` module hooks, a replaced
+    forward, and with ``extra_tensors`` parameters or buffers beyond batch norm's own), or None."""
     from torch.nn.utils import parametrize, prune
 
     if parametrize.is_parametrized(m):
         return "it is parametrized (torch.nn.utils.parametrize)"
     if any(isinstance(h, prune.BasePruningMethod) for h in m._forward_pre_hooks.values()):
         return "it is pruned (torch.nn.utils.prune)"
-    hooks = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)]
-    if hooks:
-        return f"it has hooks ({', '.join(hooks)})"
+    found = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)] if hooks else []
+    if found:
+        return f"it has hooks ({', '.join(found)})"
     if "forward" in m.__dict__:
         return "its forward is replaced on the instance"
     extra = sorted((set(m._parameters) - {"weight", "bias"}) | (set(m._buffers) - set(_BN_BUFFERS)))
@@ -653,7 +737,8 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
         act = root.get_submodule(user.target)
         reason = None
         if not _fusable_batchnorm(bn):
-            reason = "its class overrides forward" if not isinstance(bn, _LazyNormBase) else "it is uninitialized"
+            reason = ("it is uninitialized" if isinstance(bn, _LazyNormBase) and bn.has_uninitialized_params()
+                      else f"its class overrides {', '.join(_overridden(_class_of(bn), _PLAIN_BN + (SyncBatchNorm,)))}")
         reason = reason or _why_not_movable(bn)
         if reason is None and (registrations[id(bn)] != 1 or calls[node.target] != 1):
             reason = "it is registered or called more than once"
