@@ -742,6 +742,19 @@ def test_user_attributes_and_non_persistent_buffers_survive_convert_fuse_and_rev
     assert type(model[1]) is nn.BatchNorm2d and "process_group" not in model[1].__dict__
 
 
+def test_a_module_attached_to_a_batch_norm_and_its_hook_go_along():
+    """A child module on a batch norm, called by a hook (as eager quantization attaches an
+    observer), stays in the converted and in the reverted layer, with its state_dict keys."""
+    model = _seeded(_stem())
+    model[1].observer = nn.Linear(1, 1)  # holds state: it shows in the state_dict
+    model[1].register_forward_hook(lambda m, args, out: out + m.observer.bias.sum())
+    keys, expected = list(model.state_dict()), model.eval()(_image(0))
+    for step in (syncbn.convert_sync_batchnorm, syncbn.revert_sync_batchnorm):
+        model = step(model)
+        assert list(model.state_dict()) == keys, step.__name__
+        torch.testing.assert_close(model(_image(0)), expected, rtol=0, atol=0)
+
+
 class _FrozenBN(nn.BatchNorm2d):
     """A frozen batch norm as detection codebases write it: always in eval mode."""
 

@@ -120,8 +120,9 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
     too, not the placeholder ``dst`` was built with (on the meta device). A buffer
     ``src`` keeps out of its ``state_dict`` stays out of ``dst``'s.
 
-    With ``attributes``, ``dst`` also gets the attributes set on the ``src`` instance
-    that no batch norm sets itself (a user's or a framework's flags); with ``hooks``,
+    With ``attributes``, ``dst`` also gets ``src``'s child modules and the attributes set
+    on the ``src`` instance that no batch norm sets itself (a user's or a framework's
+    flags); with ``hooks``,
     ``src``'s module hooks: the same hook dictionaries, so the handles that registered
     them still remove them."""
     for name in ("weight", "bias"):  # a BN built with bias=False keeps no bias
@@ -137,7 +138,9 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
     dst.train(src.training)
     if hasattr(src, "qconfig"):
         dst.qconfig = src.qconfig
-    if attributes:
+    if attributes:  # and child modules (an observer a hook calls), as torch's converter keeps them
+        for name, child in src._modules.items():
+            dst._modules.setdefault(name, child)
         standard = _own_attribute_names()
         for name, value in src.__dict__.items():
             if name not in standard and name not in dst.__dict__ and not name.startswith("_syncbn"):
