@@ -755,6 +755,41 @@ def test_a_module_attached_to_a_batch_norm_and_its_hook_go_along():
         torch.testing.assert_close(model(_image(0)), expected, rtol=0, atol=0)
 
 
+def test_a_batch_norm_compiled_on_its_own_converts_to_a_layer_running_its_own_forward():
+    """``bn.compile()`` keeps a compiled ``bn._call_impl`` on the instance: carried over
+    with the other attributes, every call of the synchronized (and the reverted) layer ran
+    the old layer, whose training flag no longer follows the model's."""
+    model = _seeded(_stem())
+    model[1].compile(backend="eager")  # compiles lazily: nothing is traced unless it is called
+    for step in (syncbn.convert_sync_batchnorm, syncbn.revert_sync_batchnorm):
+        model = step(model).eval()
+        bn = model[1]
+        with torch.no_grad():
+            expected = model[3](model[2](F.batch_norm(
+                model[0](_image(0)), bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)))
+            torch.testing.assert_close(model(_image(0)), expected, rtol=0, atol=1e-6, msg=step.__name__)
+        model.train()
+
+
+def test_a_method_replaced_on_a_batch_norm_instance_keeps_it_local():
+    """A method set on the instance (here ``train`` wrapped to log the mode) is bound to
+    that layer: carried to the new layer, ``model.eval()`` would set the old layer's flag
+    and leave the synchronized one training. Such a layer stays local, as one whose
+    ``forward`` is replaced does."""
+    model = _seeded(_stem())
+    bn, modes = model[1], []
+    original_train = bn.train
+    bn.train = lambda mode=True: modes.append(mode) or original_train(mode)
+    with pytest.warns(UserWarning, match=r"left 1 of 1 .*its train is replaced on the instance"):
+        model = syncbn.convert_sync_batchnorm(model)
+    model.eval()
+    assert model[1] is bn and not bn.training and modes == [False]
+    synced = syncbn.convert_sync_batchnorm(_stem())
+    synced[1].train = lambda mode=True: synced[1]
+    with pytest.warns(UserWarning, match=r"left these layers as they are: 1 \(its train is replaced on the instance"):
+        assert type(syncbn.revert_sync_batchnorm(synced)[1]) is syncbn.SyncBatchNorm
+
+
 class _FrozenBN(nn.BatchNorm2d):
     """A frozen batch norm as detection codebases write it: always in eval mode."""
 

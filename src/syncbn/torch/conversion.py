@@ -112,6 +112,15 @@ def _own_attribute_names() -> set:
 _STANDARD_ATTRIBUTES: set = set()
 
 
+def _carried(name: str) -> bool:
+    """Whether an instance attribute ``name`` that no batch norm sets in ``__init__`` moves
+    to the new layer. Not torch's own bookkeeping, which ``nn.Module`` declares on the class
+    and sets on an instance later: ``Module.compile()`` stores the old layer's
+    ``_call_impl``, compiled, and the new layer would run the old layer's forward on
+    every call (torch's pickling drops it too); nor syncbn's own."""
+    return not name.startswith("_syncbn") and not hasattr(nn.Module, name)
+
+
 def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: bool = False) -> nn.Module:
     """Give ``dst`` the parameters, buffers and flags of ``src`` (the same tensors).
 
@@ -143,7 +152,7 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
             dst._modules.setdefault(name, child)
         standard = _own_attribute_names()
         for name, value in src.__dict__.items():
-            if name not in standard and name not in dst.__dict__ and not name.startswith("_syncbn"):
+            if name not in standard and name not in dst.__dict__ and _carried(name):
                 dst.__dict__[name] = value
     if hooks:
         for name in _HOOK_DICTS + _HOOK_COMPANIONS:
@@ -675,8 +684,9 @@ def _why_not_movable(m: nn.Module, extra_tensors: bool = True, hooks: bool = Tru
     found = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)] if hooks else []
     if found:
         return f"it has hooks ({', '.join(found)})"
-    if "forward" in m.__dict__:
-        return "its forward is replaced on the instance"
+    replaced = [name for name in m.__dict__ if inspect.isfunction(getattr(_BatchNorm, name, None))]
+    if replaced:  # a function or a method bound to ``m`` (freezing its train) set on the instance
+        return f"its {', '.join(replaced)} is replaced on the instance"
     extra = sorted((set(m._parameters) - {"weight", "bias"}) | (set(m._buffers) - set(_BN_BUFFERS)))
     if extra and extra_tensors:
         return f"it holds other parameters or buffers ({', '.join(extra)})"
