@@ -962,6 +962,38 @@ def convert_keeps_adapted_preprocessing_state():
 
 
 @check
+def convert_keeps_lora_adapters_as_they_are():
+    """A Dense and an Embedding with LoRA enabled part way through fine-tuning: the copies
+    hold the same frozen kernel and the same adapter factors. Copied through a layer's
+    save/load (as a ``.keras`` file is) the kernel came with the adapter merged in and both
+    factors zero: the same outputs, but no gradient ever reaches a zero pair of factors,
+    so fine-tuning the copy changed nothing."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(41)
+    ids = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, name="embed")(ids)
+    h = keras.layers.Dense(4, name="dense")(h)
+    model = keras.Model(ids, keras.layers.BatchNormalization(name="bn")(h))
+    randomize(model.get_layer("bn"), rng)
+    for name in ("embed", "dense"):
+        layer = model.get_layer(name)
+        layer.enable_lora(2)
+        for w in (layer.lora_embeddings_b if name == "embed" else layer.lora_kernel_b,):
+            w.assign(rng.uniform(-1.0, 1.0, tuple(w.shape)).astype(np.float32))
+    expected = {w.path: keras.ops.convert_to_numpy(w) for w in model.weights}
+    synced = convert(model)
+    for where, copy in (("convert", synced), ("revert(convert)", revert(synced))):
+        got = {w.path: keras.ops.convert_to_numpy(w) for w in copy.weights}
+        assert sorted(got) == sorted(expected), (where, sorted(got))
+        for path, value in expected.items():
+            np.testing.assert_array_equal(got[path], value, err_msg=f"{where}: {path}")
+    return {"lora variables": sum("lora" in path for path in expected)}
+
+
+@check
 def convert_keeps_stateful_rnn_states():
     """A stateful GRU part way through its sequences: the copies hold its current states
     (which neither ``clone_model`` nor a ``.keras`` file keeps), so they go on exactly as

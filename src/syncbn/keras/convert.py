@@ -483,8 +483,9 @@ def _copy_state(old, new):
     loads: an adapted ``Normalization``'s mean and variance, which ``set_weights`` leaves
     at their initial values), then ``save_assets`` into ``load_assets`` (an adapted lookup
     layer's vocabulary, which no weight holds). A stateful RNN's current states, which
-    neither a file nor ``clone_model`` keeps, are copied too. Where the two layer trees
-    differ, the weights are copied as ``set_weights`` copies them.
+    neither a file nor ``clone_model`` keeps, are copied too. Last, every variable is
+    copied exactly, as ``set_weights`` copies them (all that is done where the two layer
+    trees differ): a saved value is not always the one held (LoRA adapters).
 
     Returns ``layer.attribute`` for each public attribute of a plain value (a number, a
     string, a bool, None) that the copy has otherwise than ``old``: set after
@@ -512,6 +513,11 @@ def _copy_state(old, new):
                 continue
             if key not in ours or type(ours[key]) is not type(value) or ours[key] != value:
                 differing.append(f"{a.name}.{key} ({value!r}; the copy has {ours.get(key, 'no such attribute')!r})")
+    # and then every variable as it is: a file's values are what a layer exports, not
+    # always what it holds (a LoRA-enabled Dense or Embedding saves its kernel with the
+    # adapter merged in and zeroes both adapter factors when it loads, which no gradient
+    # then moves); what a layer derived when it loaded is derived from these same values
+    new.set_weights(old.get_weights())
     return differing
 
 
