@@ -784,6 +784,11 @@ def test_a_method_replaced_on_a_batch_norm_instance_keeps_it_local():
         model = syncbn.convert_sync_batchnorm(model)
     model.eval()
     assert model[1] is bn and not bn.training and modes == [False]
+    relaxed = _stem()
+    relaxed[1]._check_input_dim = lambda x: None  # as harmless on the instance as in a subclass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert type(syncbn.convert_sync_batchnorm(relaxed)[1]) is syncbn.SyncBatchNorm
     synced = syncbn.convert_sync_batchnorm(_stem())
     synced[1].train = lambda mode=True: synced[1]
     with pytest.warns(UserWarning, match=r"left these layers as they are: 1 \(its train is replaced on the instance"):

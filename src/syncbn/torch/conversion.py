@@ -684,8 +684,9 @@ def _why_not_movable(m: nn.Module, extra_tensors: bool = True, hooks: bool = Tru
     found = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)] if hooks else []
     if found:
         return f"it has hooks ({', '.join(found)})"
-    replaced = [name for name in m.__dict__ if inspect.isfunction(getattr(_BatchNorm, name, None))]
-    if replaced:  # a function or a method bound to ``m`` (freezing its train) set on the instance
+    replaced = [name for name in m.__dict__
+                if inspect.isfunction(getattr(_BatchNorm, name, None)) and name not in _HARMLESS_METHODS]
+    if replaced:  # a function or a method bound to ``m`` (wrapping its train) set on the instance
         return f"its {', '.join(replaced)} is replaced on the instance"
     extra = sorted((set(m._parameters) - {"weight", "bias"}) | (set(m._buffers) - set(_BN_BUFFERS)))
     if extra and extra_tensors:
