@@ -545,7 +545,12 @@ def _keep_trainable_flags(old, new):
         return
     for a, b in zip(olds, news):
         if (_is_graph_model(a) or isinstance(a, keras.layers.InputLayer)) and b.trainable != a.trainable:
+            # the private field: the public setter would also set every layer inside
             b._trainable = a.trainable
+            if b.trainable != a.trainable:  # a Keras that keeps the flag elsewhere: never silently
+                raise RuntimeError(
+                    f"syncbn.keras: could not give the copy of {a.name!r} its trainable={a.trainable} flag "
+                    f"on this Keras {keras.__version__}; please report it")
 
 
 def _inputs_like(model):
