@@ -4,8 +4,8 @@ FSDP2 ``fully_shard`` and FSDP1 on a CPU mesh; DDP with ``static_graph``,
 ``find_unused_parameters`` and gradient accumulation under ``no_sync()``;
 ``torch.func.functional_call`` with substituted parameters and buffers in training; and,
 for deployment without a revert, ``torch.export.export``, ``torch.jit.trace`` and
-``functional_call`` in eval mode, where ``torch.jit.script`` raises an error naming the fix,
-as ``torch.export.export`` does in training mode (its program would lose the backward).
+``functional_call`` in eval mode, where ``torch.jit.script`` raises an error naming the fix
+(training-mode capture, ``torch.export.export`` included, is test_training_capture.py's).
 
 (``torch.nn.SyncBatchNorm`` cannot take part here: in training it raises on CPU inputs.)
 Buffers under DDP's default ``broadcast_buffers`` are covered by test_batchnorm_ddp.py and
@@ -203,7 +203,9 @@ def functional_step(model, rank=None):
     return {"grads": grads, "buffers": buffers, "untouched": untouched}
 
 
-def functional_call_job(fused):
+def synchronized_net(fused):
+    """This rank's converted Net on the W-rank group (fused when asked), or None on a rank
+    outside it."""
     group = group_of(WORLD)
     if not in_group(WORLD):
         return None
@@ -211,7 +213,12 @@ def functional_call_job(fused):
     if fused:
         model = syncbn.fuse_batchnorm_act(model)
         assert isinstance(model.body[4], syncbn.SyncBatchNormAct)
-    return functional_step(model, dist.get_rank())
+    return model
+
+
+def functional_call_job(fused):
+    model = synchronized_net(fused)
+    return None if model is None else functional_step(model, dist.get_rank())
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["SyncBatchNorm", "SyncBatchNormAct"])
@@ -229,12 +236,9 @@ def test_functional_call_trains_the_substitutes(pool, fused):
 
 
 def eval_export_job(fused):
-    group = group_of(WORLD)
-    if not in_group(WORLD):
+    model = synchronized_net(fused)
+    if model is None:
         return None
-    model = syncbn.convert_sync_batchnorm(Net(), process_group=group)
-    if fused:
-        model = syncbn.fuse_batchnorm_act(model)
     train(model, dist.get_rank())
     model.eval()
     x, _ = batch(99)
@@ -285,97 +289,3 @@ def test_one_layer_in_eval_traces_and_names_the_fix_for_script(make):
     with pytest.raises(RuntimeError, match=rf"syncbn\.{type(layer).__name__} cannot be compiled by "
                                            r"torch\.jit\.script.*revert_sync_batchnorm\(model\)"):
         torch.jit.script(layer)
-
-
-# ---- training mode: torch.export refuses (the exported program would drop the backward) ----
-# torch 2.13 exports syncbn's autograd Function as its forward alone. The exported forward
-# does synchronize (each layer its all-reduce, the second one nested in a
-# wrap_with_set_grad_enabled subgraph, so a count of the top-level graph's nodes finds one)
-# and matches eager, but its outputs carry no gradient through the layers: a backward pass
-# through exported.module() raises, or, where the loss also reaches the input another way
-# (a residual; strict export), runs with no backward all-reduce, wrong input gradients and
-# no parameter gradients. So the export raises, naming the fix.
-
-REFUSAL = "torch.export.export cannot capture this layer in training mode"
-needs_is_exporting = pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"),
-                                        reason="torch.compiler.is_exporting is missing (torch < 2.5)")
-
-
-def skewed(rank):
-    """Rank ``rank``'s batch and output gradient: per-rank means 6 apart, stds 1 and 2, so
-    a layer normalizing its rank's batch alone would be far off the oracle."""
-    gen = torch.Generator().manual_seed(300 + rank)
-    x = torch.randn(PER_RANK, 3, 5, 5, generator=gen, dtype=torch.float64) * (1 + rank) + 6 * rank - 3
-    return x, torch.randn(PER_RANK, 3, generator=gen, dtype=torch.float64)
-
-
-def training_export_job(fused, strict):
-    group = group_of(WORLD)
-    if not in_group(WORLD):
-        return None
-    rank = dist.get_rank()
-    model = syncbn.convert_sync_batchnorm(Net(), process_group=group)
-    if fused:  # the first batch norm frozen (eval), so that the fused one is reached first
-        model = syncbn.fuse_batchnorm_act(model)
-        assert isinstance(model.body[4], syncbn.SyncBatchNormAct)
-        model.body[1].eval()
-    x, dy = skewed(rank)
-    before = full_state(model)
-    try:
-        torch.export.export(model, (x,), strict=strict)
-        refused = "exported"
-    except RuntimeError as exc:
-        refused = str(exc)
-    untouched = all(torch.equal(before[k], v) for k, v in full_state(model).items())
-    # then an eager training step on the same model and group: nothing left waiting
-    x = x.requires_grad_()
-    model(x).backward(dy)
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    for g in grads.values():  # the sum over ranks: one process's on the concatenated batch
-        dist.all_reduce(g, group=group)
-    return {"refused": refused, "untouched": untouched, "dx": x.grad, "grads": grads, "state": full_state(model)}
-
-
-@needs_is_exporting
-@pytest.mark.parametrize("fused,strict", [(False, False), (False, True), (True, False)],
-                         ids=["SyncBatchNorm", "SyncBatchNorm-strict", "SyncBatchNormAct"])
-def test_training_mode_export_raises_naming_the_fix_and_the_ranks_go_on(pool, fused, strict):
-    results = pool.run(training_export_job, fused, strict)[:WORLD]
-    model = Net()
-    if fused:
-        model.body[1].eval()
-    parts = [skewed(rank) for rank in range(WORLD)]
-    x = torch.cat([p[0] for p in parts]).requires_grad_()
-    model(x).backward(torch.cat([p[1] for p in parts]))
-    ref = full_state(model)
-    layer = "SyncBatchNormAct 'body.4'" if fused else "SyncBatchNorm 'body.1'"
-    for rank, got in enumerate(results):
-        message = got["refused"]
-        assert REFUSAL in message and layer in message, message
-        assert "model.eval()" in message and "syncbn.revert_sync_batchnorm(model)" in message, message
-        assert message == results[0]["refused"]  # alike on every rank
-        assert got["untouched"]
-        torch.testing.assert_close(got["dx"], x.grad[rank * PER_RANK:(rank + 1) * PER_RANK], **TOL)
-        for key, p in model.named_parameters():
-            torch.testing.assert_close(got["grads"][key], p.grad, **TOL, msg=key)
-        assert got["state"].keys() == ref.keys()
-        for key, value in ref.items():
-            torch.testing.assert_close(got["state"][key], value, **TOL, msg=key)
-
-
-@needs_is_exporting
-def test_one_process_training_export_is_refused_only_where_a_function_runs():
-    """Without a group SyncBatchNorm is F.batch_norm, which exports with its backward (the
-    same forward and gradients as torch's layer); SyncBatchNormAct in training runs its own
-    autograd Function, so its export raises as the synchronized call's does."""
-    x, dy = skewed(1)
-    ours, theirs = syncbn.SyncBatchNorm(3).double(), nn.BatchNorm2d(3).double()
-    exported = torch.export.export(ours, (x,)).module()
-    for layer in (exported, theirs):
-        xi = x.clone().requires_grad_()
-        layer(xi).backward(torch.ones_like(x) + x)
-        layer.dx = xi.grad
-    torch.testing.assert_close(exported.dx, theirs.dx, **TOL)
-    torch.testing.assert_close(exported.get_parameter("weight").grad, theirs.weight.grad, **TOL)
-    with pytest.raises(RuntimeError, match=rf"SyncBatchNormAct: {REFUSAL}.*revert_sync_batchnorm"):
-        torch.export.export(syncbn.SyncBatchNormAct(3).double(), (x,))
