@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
-from .functional import check_input, recomputing, refuse_trace, refuse_transform, sync_batch_norm
+from .functional import check_input, recomputing, refuse_capture, sync_batch_norm
 
 __all__ = ["BatchNormNd", "SyncBatchNorm"]
 
@@ -151,8 +151,7 @@ class SyncBatchNorm(_SyncNormBase):
         # Only a module in training mode communicates; eval with batch statistics stays local.
         syncing = bn_training and self.training and distributed.group_size(self.process_group) > 1
         if syncing:  # before the momentum count moves (sync_batch_norm asks again, for its callers)
-            refuse_trace(type(self).__name__, self)
-            refuse_transform(type(self).__name__, self)
+            refuse_capture(type(self).__name__, self)
         # a checkpoint's recomputed forward: same normalization, no second count
         again = self.training and recomputing()
         momentum = self._momentum(as_tensor=syncing, count=not again)

@@ -45,7 +45,7 @@ from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
 __all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "unflat_spatial", "check_dtypes", "recomputing",
-           "refuse_create_graph", "refuse_export", "refuse_trace", "refuse_transform"]
+           "refuse_create_graph", "refuse_capture", "refuse_export", "refuse_trace", "refuse_transform"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -130,6 +130,15 @@ def refuse_transform(name: str, layer=None) -> None:
         "torch.func.replace_all_batch_norm_modules_; in training they normalize each rank's batch "
         "alone)."
     )
+
+
+def refuse_capture(name: str, layer=None) -> None:
+    """:func:`refuse_export`, :func:`refuse_trace` and :func:`refuse_transform` at once: what
+    a synchronizing training call asks before its momentum count moves and before any
+    collective (``SyncBatchNorm``, :func:`sync_batch_norm`)."""
+    refuse_export(name, layer)
+    refuse_trace(name, layer)
+    refuse_transform(name, layer)
 
 
 # The local moments come from a native kernel that torch 2.13 cannot trace with fake
@@ -631,9 +640,7 @@ def sync_batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
-    refuse_export(label, layer)
-    refuse_trace(label, layer)
-    refuse_transform(label, layer)
+    refuse_capture(label, layer)
     check_dtypes(input, weight, bias, running_mean, running_var, label)
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
 
