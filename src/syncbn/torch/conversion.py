@@ -55,11 +55,10 @@ _HOOK_DICTS = (
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
     "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
 )
-# what torch keeps beside the hook dictionaries, keyed by the same handle ids
-_HOOK_COMPANIONS = (
-    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
-    "_is_full_backward_hook",
-)
+# everything a module keeps about its hooks: the dictionaries above and what torch keeps
+# beside them, keyed by the same handle ids (``_forward_hooks_with_kwargs``, ...), read off
+# the torch in use rather than listed, so that a hook moves whole on any version
+_HOOK_STATE = tuple(name for name in vars(nn.Module()) if "hook" in name)
 _GLOBAL_HOOKS = (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
 )
@@ -155,7 +154,7 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
             if name not in standard and name not in dst.__dict__ and _carried(name):
                 dst.__dict__[name] = value
     if hooks:
-        for name in _HOOK_DICTS + _HOOK_COMPANIONS:
+        for name in _HOOK_STATE:
             if name in src.__dict__:
                 dst.__dict__[name] = src.__dict__[name]
         # torch holds a load_state_dict pre-hook with a weak reference to its module, which
