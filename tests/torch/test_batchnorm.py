@@ -3,6 +3,7 @@ module contract (constructor, state_dict, equality with torch.nn.BatchNorm*d).""
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -270,6 +271,28 @@ def test_shape_errors_are_torchs(cls, channels, shape, affine, track, training):
     else:
         assert isinstance(got, torch.Tensor), got
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [syncbn.SyncBatchNorm, syncbn.SyncBatchNormAct])
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(2, 4, 3, dtype=torch.int64), lambda: torch.ones(2, 4, 3, dtype=torch.bool),
+    lambda: torch.ones(2, 4, 3, dtype=torch.complex64), lambda: [[1.0] * 3] * 4, lambda: None,
+], ids=["int64", "bool", "complex64", "list", "None"])
+@pytest.mark.parametrize("training", [True, False])
+def test_input_type_errors_are_torchs_and_name_the_problem(cls, make, training):
+    """An input of a dtype no batch norm computes in, or no tensor at all: the error is
+    one torch.nn.SyncBatchNorm's code can catch (its NotImplementedError / AttributeError,
+    in both modes) and a TypeError naming what was wrong."""
+    try:
+        nn.SyncBatchNorm(4).train(training)(make())
+    except Exception as err:  # noqa: BLE001 - the class is the result
+        torchs = type(err)
+    else:
+        raise AssertionError("torch's layer took the input")
+    with pytest.raises(torchs) as caught:
+        cls(4).train(training)(make())
+    assert isinstance(caught.value, TypeError)
+    assert re.search(r"expected a (floating-point input|torch.Tensor input)", str(caught.value)), caught.value
 
 
 def test_a_weight_held_as_a_plain_attribute_still_sets_the_channel_count():

@@ -44,7 +44,7 @@ from torch import Tensor
 from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "check_input", "check_channels", "flat_spatial", "unflat_spatial", "check_dtypes", "recomputing",
+__all__ = ["sync_batch_norm", "InputDtypeError", "InputTypeError", "check_input", "check_channels", "flat_spatial", "unflat_spatial", "check_dtypes", "recomputing",
            "refuse_create_graph", "refuse_capture", "refuse_export", "refuse_trace", "refuse_transform"]
 
 
@@ -198,6 +198,19 @@ def _refuse_count(total: float, shape) -> None:
         )
 
 
+class InputDtypeError(TypeError, NotImplementedError):
+    """An input of a dtype no batch norm computes in (integer, bool, complex). A
+    ``TypeError``, which it is, and the ``NotImplementedError`` that torch's batch norms
+    raise for it (``"batch_norm" not implemented for 'Long'``), so that code catching
+    torch's class catches ours."""
+
+
+class InputTypeError(TypeError, AttributeError):
+    """An input that is no tensor. A ``TypeError``, which it is, and the
+    ``AttributeError`` that torch's batch norms raise for it (``'list' object has no
+    attribute 'dim'``), so that code catching torch's class catches ours."""
+
+
 def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_batch_norm",
                 source: str = "num_features", channels: bool = True) -> None:
     """Raise a clear error for an input no batch norm can take, with the exception class
@@ -205,13 +218,15 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
     (unless ``channels`` is False) for an input without channels, ``RuntimeError`` for a
     channel count other than ``num_features`` (the size of the layer's ``source``: None
     skips that check, as torch does where the layer holds no per-channel tensor),
-    ``TypeError`` for a non-float input.
+    :class:`InputDtypeError` (a ``TypeError`` and torch's ``NotImplementedError``) for a
+    non-float input, :class:`InputTypeError` (a ``TypeError`` and torch's
+    ``AttributeError``) for one that is no tensor.
 
     These depend only on the layer and the input's shape and dtype, so every rank that
     runs the same model raises the same error before any collective is issued.
     """
     if not isinstance(input, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor input, got {type(input).__name__}")
+        raise InputTypeError(f"{name}: expected a torch.Tensor input, got {type(input).__name__}")
     if input.dim() < 2:
         raise ValueError(
             f"{name}: expected at least 2D input of shape (N, C, *), got {input.dim()}D input "
@@ -224,7 +239,7 @@ def check_input(input: Tensor, num_features: Optional[int], name: str = "sync_ba
     if num_features is not None and input.shape[1] != num_features:
         raise _channel_count_error(input, num_features, name, source)
     if not input.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
+        raise InputDtypeError(f"{name}: expected a floating-point input, got dtype {input.dtype}")
 
 
 def _channel_count_error(input: Tensor, expected: int, name: str, source: str) -> RuntimeError:
