@@ -148,10 +148,23 @@ def compiling() -> bool:
 
 
 def exporting() -> bool:
-    """True while ``torch.export.export`` is tracing the calling code (strict or not;
-    False on a torch without ``torch.compiler.is_exporting``)."""
-    check = getattr(getattr(torch, "compiler", None), "is_exporting", None)
-    return bool(check is not None and check())
+    """True while ``torch.export.export`` is tracing the calling code (strict or not; on a
+    torch without ``torch.compiler.is_exporting``, before 2.5, non-strict export only).
+
+    torch 2.4 has no ``is_exporting``, but its export sets the flag behind
+    ``torch.compiler.is_compiling()`` around the tracing that runs the model's Python
+    (non-strict export), where ``torch.compiler.is_dynamo_compiling()`` stays False; in
+    code that torch.compile (or strict export's first pass) traces, dynamo makes both
+    True, and in eager code, a graph break's included, both are False. Strict export on
+    2.4 is therefore not seen here: there every call that runs syncbn's autograd
+    Functions goes through :func:`eager_unless_traceable`, which dynamo's export refuses
+    (a graph break), so it fails, not silently."""
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_exporting", None)
+    if check is not None:
+        return bool(check())
+    dynamo = getattr(compiler, "is_dynamo_compiling", None)
+    return bool(dynamo is not None and compiler.is_compiling() and not dynamo())
 
 
 def tracing() -> bool:
