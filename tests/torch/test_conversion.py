@@ -206,13 +206,85 @@ def test_revert_keeps_an_unregistered_subclass_that_overrides_forward():
 
 def test_uninitialized_lazy_batchnorm_is_left_with_a_warning():
     model = nn.Sequential(nn.LazyBatchNorm2d())
-    with pytest.warns(UserWarning, match="lazy"):
+    fix = "uninitialized lazy module: run one forward or load a state_dict holding its tensors first"
+    with pytest.warns(UserWarning, match=fix):
         syncbn.convert_sync_batchnorm(model)
+    with pytest.raises(ValueError, match=fix):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+    partly = nn.Sequential(nn.LazyBatchNorm2d())  # the running statistics still to come
+    partly.load_state_dict({k: v for k, v in _lazy_source(2).state_dict().items() if "running" not in k}, strict=False)
+    with pytest.raises(ValueError, match=fix):
+        syncbn.convert_sync_batchnorm(partly, strict=True)
     model(torch.randn(2, 3, 4, 4))  # initialized: it is a BatchNorm2d now
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = syncbn.convert_sync_batchnorm(model)
     assert isinstance(out[0], syncbn.SyncBatchNorm)
+
+
+def _lazy_source(rank):
+    """A trained-looking batch norm of rank ``rank`` (3 channels), in a Sequential."""
+    return _seeded(nn.Sequential(getattr(nn, f"BatchNorm{rank}d")(3)))
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("then", ["nothing", "forward"])
+def test_a_lazy_batch_norm_materialized_by_load_state_dict_converts(rank, then):
+    """A lazy batch norm whose tensors came from ``load_state_dict`` holds all its state: it
+    converts (torch's converter too: to a layer of 0 num_features), with a user's hook,
+    computes what it computed and reverts to the torch class its first forward makes of it.
+    It was left local as a class overriding ``reset_parameters`` (still lazy until its first
+    forward); after a forward (a BatchNorm2d keeping num_features 0) its synchronized layer
+    refused every input as having the wrong channel count."""
+    lazy = nn.Sequential(getattr(nn, f"LazyBatchNorm{rank}d")())
+    lazy.load_state_dict(_lazy_source(rank).state_dict())
+    x = torch.randn((4, 3) + (5,) * rank) * 2 + 1
+    ref = _lazy_source(rank).eval()
+    if then == "forward":
+        lazy.eval()(x)
+        assert lazy[0].num_features == 0  # torch's doing
+    seen = []
+    lazy[0].register_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    keys, params = list(lazy.state_dict()), [id(p) for p in lazy.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = syncbn.convert_sync_batchnorm(lazy)
+    layer = model[0]
+    assert type(layer) is syncbn.SyncBatchNorm and layer.num_features == 3
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    assert "_initialize_hook" not in layer.__dict__ and len(layer._forward_pre_hooks) == 0
+    torch.testing.assert_close(model.eval()(x), ref(x), rtol=0, atol=0)
+    assert seen == ["SyncBatchNorm"]
+    model.load_state_dict(ref.state_dict())  # no lazy load hook left to run
+    back = syncbn.revert_sync_batchnorm(model)
+    assert type(back[0]) is getattr(nn, f"BatchNorm{rank}d") and back[0].num_features == 3
+    torch.testing.assert_close(back(x), ref(x), rtol=0, atol=0)
+    assert seen == ["SyncBatchNorm", f"BatchNorm{rank}d"]
+
+
+def test_a_lazy_batch_norm_with_nothing_to_materialize_converts_as_torch_runs_it():
+    """Without affine parameters or running statistics a lazy batch norm has no state to
+    wait for: it converts, and like the BatchNorm2d its first forward makes of it (and
+    torch's converter) takes any channel count. It was left local."""
+    model = nn.Sequential(nn.LazyBatchNorm2d(affine=False, track_running_stats=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = syncbn.convert_sync_batchnorm(model)
+    assert type(model[0]) is syncbn.SyncBatchNorm
+    for channels in (3, 5):
+        x = torch.randn(4, channels, 2, 2) + 1
+        torch.testing.assert_close(model(x), F.batch_norm(x, None, None, training=True), rtol=0, atol=1e-6)
+
+
+def test_a_lazy_batch_norm_materialized_by_load_state_dict_fuses():
+    """Fusion takes it as convert does (it was refused: 'its class overrides reset_parameters')."""
+    model = _seeded(_stem())
+    lazy = _stem()
+    lazy[1] = nn.LazyBatchNorm2d()
+    lazy.load_state_dict(model.state_dict())
+    ref = _fuse_expecting(lazy, {}, ref=copy.deepcopy(model).double())
+    assert _fused_names(lazy) == ["1"]
+    _same_as_unfused(lazy, ref, _image)
 
 
 def test_process_group_is_set():

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import fingerprint
 from .batchnorm import BatchNormNd, SyncBatchNorm, _SyncNormBase
@@ -79,12 +80,66 @@ def _overridden(cls: type, bases: tuple) -> list:
     for c in cls.__mro__:
         if c in bases or c is _BatchNorm:
             break
+        if c in (_LazyNormBase, LazyModuleMixin):  # a lazy layer's shape inference (see _finish_lazy)
+            continue
         for name, value in vars(c).items():
             if name not in _HARMLESS_METHODS and name not in found and hasattr(_BatchNorm, name) and (
                 callable(value) or isinstance(value, (property, staticmethod, classmethod))
             ):
                 found.append(name)
     return found
+
+
+def _overrides(m: nn.Module, bases: tuple) -> list:
+    """:func:`_overridden` for the layer ``m``: by its class, and for a lazy layer by the class
+    its first forward makes it too (``cls_to_become``)."""
+    found = _overridden(_class_of(m), bases)
+    become = getattr(m, "cls_to_become", None) if isinstance(m, _LazyNormBase) else None
+    if isinstance(become, type):
+        found += [name for name in _overridden(become, bases) if name not in found]
+    return found
+
+
+def _lazy_unfinished(m: nn.Module) -> bool:
+    """Whether ``m`` is a lazy batch norm with a parameter or buffer not materialized yet
+    (neither a forward nor ``load_state_dict`` gave it a shape)."""
+    return isinstance(m, _LazyNormBase) and m.has_uninitialized_params()
+
+
+# what a converter says about such a layer: no synchronized layer can take its place exactly
+_LAZY_FIX = "an uninitialized lazy module: run one forward or load a state_dict holding its tensors first"
+
+
+def _finish_lazy(m: nn.Module) -> None:
+    """Do to a lazy batch norm whose tensors are all materialized (``load_state_dict`` gives
+    them their shapes) what its first forward would do, as ``LazyModuleMixin._infer_parameters``
+    does it: remove the two hooks that infer and load its shape (they run this layer's own
+    code, so they must not move with its other hooks) and give it the class it becomes
+    (``BatchNorm2d`` for ``LazyBatchNorm2d``). Nothing else changes: the layer computes what
+    it computed."""
+    if not isinstance(m, _LazyNormBase) or "_initialize_hook" not in m.__dict__:
+        return
+    m._initialize_hook.remove()
+    m._load_hook.remove()
+    del m._initialize_hook, m._load_hook
+    if m.cls_to_become is not None:
+        m.__class__ = m.cls_to_become
+
+
+def _lazy_hook_ids(m: nn.Module) -> set:
+    """The handle ids of a lazy layer's own shape-inference hooks (see :func:`_finish_lazy`)."""
+    return {h.id for h in (m.__dict__.get("_initialize_hook"), m.__dict__.get("_load_hook")) if h is not None}
+
+
+def _channels(bn: nn.Module) -> int:
+    """The number of channels ``bn``'s per-channel tensors hold, else its ``num_features``
+    (a lazy batch norm materialized by ``load_state_dict`` keeps ``num_features`` 0, after
+    its first forward too; torch's kernel never reads it, syncbn's input check does)."""
+    for name in ("weight", "running_mean", "bias", "running_var"):
+        tensor = getattr(bn, name, None)
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
+            return tensor.shape[0]
+    return bn.num_features
 
 
 def _class_of(m: nn.Module) -> type:
@@ -96,7 +151,7 @@ def _class_of(m: nn.Module) -> type:
 
 
 def _is_plain(module: nn.Module) -> bool:
-    return isinstance(module, _BatchNorm) and not _overridden(_class_of(module), _PLAIN_BN)
+    return isinstance(module, _BatchNorm) and not _overrides(module, _PLAIN_BN)
 
 
 def _own_attribute_names() -> set:
@@ -174,11 +229,12 @@ def _synchronized(cls, bn: nn.Module, process_group, *, carry: dict | None = Non
     layer remembers the plain torch class ``bn`` came from, for the revert. ``carry``:
     the keyword arguments of :func:`_move_state` (what else moves over).
     """
+    _finish_lazy(bn)
     group = process_group
     if group is None and isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)):
         group = bn.process_group
     new = cls(
-        bn.num_features,
+        _channels(bn),
         eps=bn.eps,
         momentum=bn.momentum,
         affine=bn.affine,
@@ -283,9 +339,9 @@ def _classify(m: nn.Module, name: str = ""):
     if not registered:
         if not isinstance(m, _BatchNorm):
             return None
-        if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
-            return "uninitialized lazy module: run one batch first"
-        overridden = _overridden(_class_of(m), _PLAIN_BN)
+        if _lazy_unfinished(m):
+            return _LAZY_FIX
+        overridden = _overrides(m, _PLAIN_BN)
         if overridden:
             return f"it overrides {', '.join(overridden)}; teach the converter with syncbn.register_conversion"
     # a registered conversion moves the layer's own tensors, but not hooks, pruning or
@@ -313,7 +369,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
 
     A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` or
     another of torch's batch-norm methods, such as ``train``, with no registered
-    conversion, an uninitialized lazy module, a layer whose behaviour lives outside its
+    conversion, a lazy module not yet materialized (by one forward or by
+    ``load_state_dict``: then it converts), a layer whose behaviour lives outside its
     parameters and buffers: a pruned or parametrized weight, hooks on a registered class;
     a batch norm inside TorchScript code, ``torch.jit.script`` or ``trace``) stays local:
     a warning says
@@ -433,7 +490,7 @@ def _plain_batchnorm(m: nn.Module, hooks: bool = False) -> nn.Module:
     # the rank-specific torch class the layer came from (a subclass reverts to its torch
     # base); a layer of unknown or rank-agnostic origin takes any rank, and so does its revert
     cls = next((c for c in getattr(origin, "__mro__", ()) if c in _RANKED_BN), BatchNormNd)
-    new = cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, device="meta")
+    new = cls(_channels(m), m.eps, m.momentum, m.affine, m.track_running_stats, device="meta")
     return _move_state(m, new, attributes=True, hooks=hooks)
 
 
@@ -485,7 +542,7 @@ def _activation_module(m: SyncBatchNormAct) -> nn.Module:
 
 
 def _fusable_batchnorm(m: nn.Module) -> bool:
-    if isinstance(m, _LazyNormBase) and m.has_uninitialized_params():
+    if _lazy_unfinished(m):
         return False
     return _is_plain(m) or (isinstance(m, SyncBatchNorm) and not _overridden(_class_of(m), (SyncBatchNorm,)))
 
@@ -680,7 +737,8 @@ def _why_not_movable(m: nn.Module, extra_tensors: bool = True, hooks: bool = Tru
         return "it is parametrized (torch.nn.utils.parametrize)"
     if any(isinstance(h, prune.BasePruningMethod) for h in m._forward_pre_hooks.values()):
         return "it is pruned (torch.nn.utils.prune)"
-    found = [name.strip("_") for name in _HOOK_DICTS if getattr(m, name, None)] if hooks else []
+    lazy = _lazy_hook_ids(m)  # a lazy layer's own: they go, not move (see _finish_lazy)
+    found = [name.strip("_") for name in _HOOK_DICTS if set(getattr(m, name, None) or ()) - lazy] if hooks else []
     if found:
         return f"it has hooks ({', '.join(found)})"
     replaced = [name for name in m.__dict__
@@ -750,8 +808,8 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
         act = root.get_submodule(user.target)
         reason = None
         if not _fusable_batchnorm(bn):
-            reason = ("it is uninitialized" if isinstance(bn, _LazyNormBase) and bn.has_uninitialized_params()
-                      else f"its class overrides {', '.join(_overridden(_class_of(bn), _PLAIN_BN + (SyncBatchNorm,)))}")
+            reason = (f"it is {_LAZY_FIX}" if _lazy_unfinished(bn)
+                      else f"its class overrides {', '.join(_overrides(bn, _PLAIN_BN + (SyncBatchNorm,)))}")
         reason = reason or _why_not_movable(bn)
         if reason is None and (registrations[id(bn)] != 1 or calls[node.target] != 1):
             reason = "it is registered or called more than once"
