@@ -750,13 +750,14 @@ def test_buffers_set_to_none_stay_none_through_convert_and_revert(cleared):
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
 
 
-def test_hooks_on_a_batch_norm_move_with_it_through_convert_and_revert():
-    """A framework's hooks on a batch norm (forward, forward-pre with kwargs, full backward,
-    state_dict and load_state_dict) fire on the synchronized layer and again on the reverted
-    one, and the handles that registered them still remove them. The layer is synchronized,
-    not left local; an optimizer built before keeps training the same parameters."""
-    model = _seeded(_stem())
-    bn = model[1]
+def check_hooks_and_attributes_move(model, find, layer_types, make_input):
+    """Hook the layer ``find(model)`` (forward, forward-pre with kwargs, full backward,
+    state_dict and load_state_dict hooks), set an attribute and a child module on it, then
+    convert and revert: at each step the layer (of ``layer_types[i]``) is replaced, nothing
+    is left local, each hook fires once on the new layer, the attribute and the
+    state_dict keys stay, and an optimizer built before keeps training the same
+    parameters. The handles still remove the hooks at the end."""
+    bn = find(model)
     seen = []
 
     def note(kind):
@@ -770,31 +771,116 @@ def test_hooks_on_a_batch_norm_move_with_it_through_convert_and_revert():
         bn.register_load_state_dict_pre_hook(note("load_pre")),
         bn.register_load_state_dict_post_hook(note("load_post")),
     ]
+    bn.freeze_at_epoch = 3
+    bn.observer = nn.Linear(1, 1)  # holds state: it shows in the state_dict
+    keys = list(model.state_dict())
     del bn  # the replaced layer goes: a hook torch holds with a weak reference to it still runs
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing left local
-        model = syncbn.convert_sync_batchnorm(model)
-    gc.collect()
     expected = ["pre_kwargs", "forward", "backward", "state_dict", "load_pre", "load_post"]
-    for layer_type in ("SyncBatchNorm", "BatchNorm2d"):
-        assert type(model[1]).__name__ == layer_type
+    for step, layer_type in zip((syncbn.convert_sync_batchnorm, syncbn.revert_sync_batchnorm), layer_types):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing left local
+            model = step(model)
+        gc.collect()
+        layer = find(model)
+        assert type(layer).__name__ == layer_type
+        assert layer.freeze_at_epoch == 3 and list(model.state_dict()) == keys, layer_type
         seen.clear()
         model.train()
-        model(_image(0).requires_grad_()).sum().backward()
+        model(make_input(0).requires_grad_()).sum().backward()
         model.load_state_dict(model.state_dict())
         assert seen == [(kind, layer_type) for kind in expected]
-        before = model[1].weight.detach().clone()
+        before = layer.weight.detach().clone()
         optimizer.step()
-        assert not torch.equal(model[1].weight, before) and torch.isfinite(model[1].weight).all()
-        model = syncbn.revert_sync_batchnorm(model)
-        gc.collect()
+        assert not torch.equal(layer.weight, before) and torch.isfinite(layer.weight).all()
     for handle in handles:
         handle.remove()
     seen.clear()
-    model(_image(1).requires_grad_()).sum().backward()
+    model(make_input(1).requires_grad_()).sum().backward()
     model.load_state_dict(model.state_dict())
     assert seen == []
+
+
+def test_hooks_on_a_batch_norm_move_with_it_through_convert_and_revert():
+    """A framework's hooks on a batch norm fire on the synchronized layer and again on the
+    reverted one, and the handles that registered them still remove them."""
+    check_hooks_and_attributes_move(_seeded(_stem()), lambda m: m[1], ("SyncBatchNorm", "BatchNorm2d"), _image)
+
+
+def _registered_relu():
+    """Register BatchNormAct <-> SyncBatchNormRelu as a user would; returns the unregister."""
+    from syncbn.torch.conversion import _CONVERSIONS, _move_state
+
+    syncbn.register_conversion(
+        BatchNormAct,
+        lambda layer, group: _move_state(layer, SyncBatchNormRelu(layer.num_features, process_group=group,
+                                                                  device="meta")),
+        lambda layer: _move_state(layer, BatchNormAct(layer.num_features, device="meta")),
+    )
+    return lambda: _CONVERSIONS.pop(BatchNormAct)
+
+
+def test_hooks_on_a_layer_of_a_registered_class_move_as_on_a_plain_one():
+    """A registered conversion moves the layer's tensors; the converter moves its hooks,
+    attributes and child modules as for a plain layer, through convert and revert. Such a
+    layer was left local with a warning ('it has hooks')."""
+    unregister = _registered_relu()
+    try:
+        model = _seeded(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), BatchNormAct(4), nn.Conv2d(4, 4, 1)))
+        check_hooks_and_attributes_move(model, lambda m: m[1], ("SyncBatchNormRelu", "BatchNormAct"), _image)
+    finally:
+        unregister()
+
+
+def test_a_registered_conversion_that_wraps_or_hooks_its_layer_keeps_every_hook_once():
+    """A ``to_sync`` returning a module that holds the old layer leaves that layer's hooks
+    where they are (moved to the wrapper too, they ran twice); hooks ``to_sync`` put on
+    its new layer run after the moved ones, whose handles still remove them."""
+    from syncbn.torch.conversion import _CONVERSIONS
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    seen = []
+
+    def hooked(layer, group):
+        new = SyncBatchNormRelu(layer.num_features, process_group=group)
+        new.register_forward_hook(lambda m, args, out: seen.append("to_sync's"))
+        return new
+
+    for to_sync, expected in ((lambda layer, group: Wrapper(layer), ["user's"]),
+                              (hooked, ["user's", "to_sync's"])):
+        syncbn.register_conversion(BatchNormAct, to_sync, lambda layer: layer)
+        try:
+            model = nn.Sequential(BatchNormAct(3))
+            handle = model[0].register_forward_hook(lambda m, args, out: seen.append("user's"))
+            model = syncbn.convert_sync_batchnorm(model)
+            seen.clear()
+            model(torch.randn(4, 3, 2, 2))
+            assert seen == expected
+            handle.remove()
+            seen.clear()
+            model(torch.randn(4, 3, 2, 2))
+            assert seen == expected[1:]
+        finally:
+            del _CONVERSIONS[BatchNormAct]
+
+
+def test_a_hooked_sync_batchnorm_act_is_left_as_it_is_by_revert():
+    """A hook on a fused layer sees the activated output: neither the batch norm nor the
+    activation it reverts to computes that, so it stays, with a warning; fusion likewise
+    leaves a hooked batch norm unfused (its hook would see the activated output)."""
+    model = _seeded(_stem())
+    syncbn.fuse_batchnorm_act(model)
+    model[1].register_forward_hook(lambda m, args, out: None)
+    with pytest.warns(UserWarning, match=r"left these layers as they are: 1 \(it has hooks \(forward_hooks\)\)"):
+        back = syncbn.revert_sync_batchnorm(model)
+    assert type(back[1]) is syncbn.SyncBatchNormAct
 
 
 def test_user_attributes_and_non_persistent_buffers_survive_convert_fuse_and_revert():

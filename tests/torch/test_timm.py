@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn
 import torchvision_shim
-from test_conversion import _seeded
+from test_conversion import _seeded, check_hooks_and_attributes_move
 from workers import group_of, in_group
 
 torchvision_shim.install()  # here too: the pool's workers import this module, not conftest
@@ -61,19 +61,18 @@ def test_every_norm_act_layer_is_converted_and_reverted(name):
     back = syncbn.revert_sync_batchnorm(model)
     assert [type(m) for m in _bn(back)] == [timm.layers.BatchNormAct2d] * MODELS[name]
     assert [(m.drop, m.act) for m in _bn(back)] == acts and list(back.state_dict()) == keys
+    assert not any(set(vars(m)) - set(vars(timm.layers.BatchNormAct2d(1))) for m in _bn(back))  # nothing stray
     torch.testing.assert_close(back.eval()(x), ref.eval()(x), rtol=0, atol=0)
 
 
-def test_a_hooked_norm_act_layer_stays_local():
-    """A registered conversion moves the layer's tensors, not its hooks: a hooked layer
-    stays as it is, counted in the warning, and its hook keeps running."""
-    model = build("mobilenetv3_small_100")
-    hooked = _bn(model)[0]
-    hooked.register_forward_hook(lambda m, i, o: o * 2)
-    with pytest.warns(UserWarning, match=r"left 1 of 34 BatchNorm layers local .*it has hooks"):
-        model = syncbn.convert_sync_batchnorm(model)
-    layers = _bn(model)
-    assert layers[0] is hooked and all(type(m) is SyncBatchNormDropAct for m in layers[1:])
+def test_a_hooked_norm_act_layer_moves_with_its_hooks():
+    """The converter moves a hooked timm layer's hooks, attributes and child modules as it
+    moves a plain batch norm's, through convert and revert. It was left local ('it has
+    hooks'), so a framework's hook kept the layer out of synchronization."""
+    check_hooks_and_attributes_move(
+        build("mobilenetv3_small_100"), lambda model: _bn(model)[0], ("SyncBatchNormDropAct", "BatchNormAct2d"),
+        lambda seed: torch.randn(2, 3, SIZE, SIZE, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)),
+    )
 
 
 def test_timm_sync_layers_and_input_checks():

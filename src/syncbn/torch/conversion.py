@@ -3,8 +3,8 @@ and back again for single-device inference and export.
 
 The swap moves the very same parameter and buffer tensors into the new module, so an
 optimizer built before the conversion keeps working, and values, ``requires_grad``,
-device, dtype, the ``training`` flag, attributes set on the instance and (for a plain
-layer) its module hooks are kept. A BatchNorm subclass that overrides ``forward`` (an
+device, dtype, the ``training`` flag, attributes and child modules set on the instance
+and its module hooks are kept (not a fused layer's hooks, see below). A BatchNorm subclass that overrides ``forward`` (an
 activation or dropout after the normalization) or another method of torch's batch norm
 (``train``, to keep a frozen layer in eval mode) is never replaced by a plain layer that
 would drop that behaviour: it is left as it is, with a warning that counts the layers
@@ -12,8 +12,9 @@ left local (or an error, with ``strict=True``), unless a conversion for its clas
 registered with :func:`register_conversion`. timm's norm-act layers are registered that
 way (:mod:`syncbn.torch.timm`) as soon as timm is imported. So is a layer whose behaviour
 lives outside its parameters and buffers (a weight pruned with ``torch.nn.utils.prune``
-or parametrized with ``torch.nn.utils.parametrize``; hooks on a layer of a registered
-class): moving its tensors would silently drop that behaviour.
+or parametrized with ``torch.nn.utils.parametrize``): moving its tensors would silently
+drop that behaviour. So is a hooked :class:`syncbn.SyncBatchNormAct` on revert, and a
+hooked batch norm is not fused: a hook on the fused layer sees the activated output.
 
 :func:`fuse_batchnorm_act` goes one step further for memory: each batch norm followed
 directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct`.
@@ -183,11 +184,7 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
     too, not the placeholder ``dst`` was built with (on the meta device). A buffer
     ``src`` keeps out of its ``state_dict`` stays out of ``dst``'s.
 
-    With ``attributes``, ``dst`` also gets ``src``'s child modules and the attributes set
-    on the ``src`` instance that no batch norm sets itself (a user's or a framework's
-    flags); with ``hooks``,
-    ``src``'s module hooks: the same hook dictionaries, so the handles that registered
-    them still remove them."""
+    ``attributes`` and ``hooks``: what :func:`_carry` moves besides."""
     for name in ("weight", "bias"):  # a BN built with bias=False keeps no bias
         if name in dst._parameters:
             dst._parameters[name] = src._parameters.get(name)
@@ -201,6 +198,16 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
     dst.train(src.training)
     if hasattr(src, "qconfig"):
         dst.qconfig = src.qconfig
+    return _carry(src, dst, attributes=attributes, hooks=hooks)
+
+
+def _carry(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: bool = False) -> nn.Module:
+    """With ``attributes``, give ``dst`` ``src``'s child modules and the attributes set on the
+    ``src`` instance that no batch norm sets itself (a user's or a framework's flags) and
+    ``dst`` lacks; with ``hooks``, ``src``'s module hooks: the same hook dictionaries, so
+    the handles that registered them still remove them. The one way every conversion
+    carries these (a plain layer's, and after a registered conversion, see
+    :func:`_carry_registered`)."""
     if attributes:  # and child modules (an observer a hook calls), as torch's converter keeps them
         for name, child in src._modules.items():
             dst._modules.setdefault(name, child)
@@ -210,8 +217,15 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
                 dst.__dict__[name] = value
     if hooks:
         for name in _HOOK_STATE:
-            if name in src.__dict__:
-                dst.__dict__[name] = src.__dict__[name]
+            moved, own = src.__dict__.get(name), dst.__dict__.get(name)
+            if moved is None or moved is own or (isinstance(moved, dict) and not moved):
+                continue  # nothing to move: ``dst`` keeps its own
+            if isinstance(moved, dict) and isinstance(own, dict) and own and own is not moved:
+                # hooks a registered conversion put on its new layer itself: they join the
+                # moved ones, after them (the user's handles hold the moved dictionaries;
+                # the handles that conversion got back no longer remove its own)
+                moved.update((key, value) for key, value in own.items() if key not in moved)
+            dst.__dict__[name] = moved
         # torch holds a load_state_dict pre-hook with a weak reference to its module, which
         # it passes to the hook: make that ``dst`` (``src`` is about to go, and a dead
         # module makes the hook raise)
@@ -220,6 +234,18 @@ def _move_state(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hoo
             if getattr(hook, "with_module", False) and callable(module) and module() is src:
                 hook.module = weakref.ref(dst)
     return dst
+
+
+def _carry_registered(src: nn.Module, new: nn.Module) -> nn.Module:
+    """After a registered conversion (``to_sync`` or ``to_plain``) made ``new`` of ``src``:
+    carry what the conversion of a plain layer carries (:func:`_carry`), which that
+    conversion need not know about. Its contract (the same computation and ``state_dict``
+    keys) is what lets the hooks move. Nothing when ``new`` is ``src`` or holds it (a
+    wrapper: ``src`` stays in the model with its hooks, which would run twice), or when
+    ``src`` holds ``new`` (unwrapped: ``new`` would become its own child)."""
+    if not any(m is src for m in new.modules()) and not any(m is new for m in src.modules()):
+        _carry(src, new, attributes=True, hooks=True)
+    return new
 
 
 def _synchronized(cls, bn: nn.Module, process_group, *, carry: dict | None = None, **kwargs) -> nn.Module:
@@ -287,6 +313,11 @@ def register_conversion(
     the single-process layer for a module that ``to_sync`` made; the converter records
     on that module, as ``_syncbn_origin``, the class it came from (``cls``).
 
+    After each call the converter moves the old layer's module hooks, instance attributes
+    and child modules to the new one, as for a plain batch norm (not when one holds the
+    other: a wrapper keeps the old layer, hooks and all); hooks that ``to_sync`` or
+    ``to_plain`` put on its new layer itself run after the moved ones.
+
     Only layers whose type is exactly ``cls`` are matched: a subclass may change what
     the layer computes, so it needs its own registration. Registering a class again
     replaces its conversion. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` are
@@ -344,9 +375,10 @@ def _classify(m: nn.Module, name: str = ""):
         overridden = _overrides(m, _PLAIN_BN)
         if overridden:
             return f"it overrides {', '.join(overridden)}; teach the converter with syncbn.register_conversion"
-    # a registered conversion moves the layer's own tensors, but not hooks, pruning or
-    # parametrizations: those stay local too. A plain layer's hooks move with it.
-    why = _why_not_movable(m, extra_tensors=not registered, hooks=registered)
+    # a registered conversion moves the layer's own tensors, and the converter its hooks
+    # and attributes (_carry_registered), but not pruning or parametrizations: those stay
+    # local too, as on a plain layer
+    why = _why_not_movable(m, extra_tensors=not registered, hooks=False)
     if why is not None:
         return f"{name or type(m).__name__}: {why}"
     return "registered" if registered else "plain"
@@ -364,15 +396,15 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given. A layer
     registered in several places becomes one synchronized layer held in all of them.
 
-    A plain layer's module hooks and instance attributes move to its replacement (the
-    same hook dictionaries: their handles still remove them).
+    A layer's module hooks, instance attributes and child modules move to its replacement
+    (the same hook dictionaries: their handles still remove them), a registered class's
+    too.
 
     A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` or
     another of torch's batch-norm methods, such as ``train``, with no registered
     conversion, a lazy module not yet materialized (by one forward or by
     ``load_state_dict``: then it converts), a layer whose behaviour lives outside its
-    parameters and buffers: a pruned or parametrized weight, hooks on a registered class;
-    a batch norm inside TorchScript code, ``torch.jit.script`` or ``trace``) stays local:
+    parameters and buffers: a pruned or parametrized weight; a batch norm inside TorchScript code, ``torch.jit.script`` or ``trace``) stays local:
     a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
     ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
@@ -408,7 +440,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
         if kind == "plain":
             return _synchronized(SyncBatchNorm, m, process_group, carry={"attributes": True, "hooks": True})
         if kind == "registered":
-            new = _CONVERSIONS[type(m)][0](m, process_group)
+            new = _carry_registered(m, _CONVERSIONS[type(m)][0](m, process_group))
             if new is not m and "_syncbn_origin" not in new.__dict__:
                 new._syncbn_origin = type(m)
             return new
@@ -455,7 +487,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     def swap(m: nn.Module) -> nn.Module:
         if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
-            why = _why_not_movable(m, hooks=not plain(m))  # a plain layer's hooks move with it
+            # hooks move with the layer, but not from a SyncBatchNormAct that no registered
+            # conversion made: a forward or backward hook on it sees the activated output
+            # and its gradient, which neither the batch norm nor the activation it splits
+            # into computes (nor does a Sequential of them hold the layer's attributes or
+            # state_dict keys, which its hooks read)
+            held = isinstance(m, SyncBatchNormAct) and _registered(m.__dict__.get("_syncbn_origin")) is None
+            why = _why_not_movable(m, hooks=held)
             if why is not None:
                 skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
                 restored.discard(id(m))
@@ -464,7 +502,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
         conversion = _registered(m.__dict__.get("_syncbn_origin"))
         if conversion is not None:
-            return conversion[1](m)
+            return _carry_registered(m, conversion[1](m))
         if isinstance(m, SyncBatchNormAct):
             bn = _plain_batchnorm(m)
             if id(m) in restored:  # its activation comes back in its own place
@@ -810,6 +848,9 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
         if not _fusable_batchnorm(bn):
             reason = (f"it is {_LAZY_FIX}" if _lazy_unfinished(bn)
                       else f"its class overrides {', '.join(_overrides(bn, _PLAIN_BN + (SyncBatchNorm,)))}")
+        # hooks cannot move into the fused layer as they move into a SyncBatchNorm: a forward
+        # or backward hook on the batch norm sees its output and gradient, the fused layer's
+        # are the activation's (and a module's hook on the activation, likewise)
         reason = reason or _why_not_movable(bn)
         if reason is None and (registrations[id(bn)] != 1 or calls[node.target] != 1):
             reason = "it is registered or called more than once"

@@ -17,6 +17,8 @@ learn or track anything and stay as they are.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 from torch import Tensor
 
@@ -36,7 +38,15 @@ class SyncBatchNormDropAct(SyncBatchNorm):
     timm's ``BatchNormAct2d``, which accepts only NCHW), or None for any.
     """
 
-    input_dim = None
+    # kept under a _syncbn name: the converter carries a layer's other instance attributes
+    # back to timm's layer on revert, where input_dim would be a stray
+    @property
+    def input_dim(self) -> Optional[int]:
+        return self.__dict__.get("_syncbn_input_dim", self.__dict__.get("input_dim"))  # (or as pickled before)
+
+    @input_dim.setter
+    def input_dim(self, value: Optional[int]) -> None:
+        self.__dict__["_syncbn_input_dim"] = value
 
     def _check_input_dim(self, input: Tensor) -> None:
         if self.input_dim is not None and input.dim() != self.input_dim:
