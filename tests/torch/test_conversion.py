@@ -262,6 +262,27 @@ def test_a_lazy_batch_norm_materialized_by_load_state_dict_converts(rank, then):
     assert seen == ["SyncBatchNorm", f"BatchNorm{rank}d"]
 
 
+def test_a_lazy_batch_norm_materialized_by_load_state_dict_carries_hooks_and_attributes():
+    """As a plain layer does (its own shape-inference hooks are not among them)."""
+    model = _stem()
+    model[1] = nn.LazyBatchNorm2d()
+    model.load_state_dict(_seeded(_stem()).state_dict())
+    check_hooks_and_attributes_move(model, lambda m: m[1], ("SyncBatchNorm", "BatchNorm2d"), _image)
+
+
+class _FrozenLazy(nn.LazyBatchNorm2d):
+    cls_to_become = None  # set below: _FrozenBN, whose train keeps it in eval mode
+
+
+def test_a_lazy_batch_norm_becoming_a_class_that_overrides_train_stays_local():
+    """Judged by the class its first forward makes of it, as that class itself is."""
+    _FrozenLazy.cls_to_become = _FrozenBN
+    model = nn.Sequential(_FrozenLazy())
+    model.load_state_dict(_lazy_source(2).state_dict())
+    with pytest.raises(ValueError, match=r"_FrozenLazy \(it overrides train"):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+
+
 def test_a_lazy_batch_norm_with_nothing_to_materialize_converts_as_torch_runs_it():
     """Without affine parameters or running statistics a lazy batch norm has no state to
     wait for: it converts, and like the BatchNorm2d its first forward makes of it (and
