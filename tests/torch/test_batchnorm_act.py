@@ -1230,11 +1230,55 @@ def test_group2_create_graph_raises_when_synchronized(pool, kind):
         assert all(m is not None and m.startswith(f"{name}: higher-order gradients") for m in messages), messages
 
 
-def test_group2_transforms_raise_in_training_and_are_exact_in_eval():
-    """Group 2: torch.func and forward-mode AD name the layer in training; eval (plain
-    torch ops) computes them exactly."""
+def _transformed(layer, how, x):
     from torch.autograd import forward_ad
-    from torch.func import functional_call, grad, jacrev
+
+    if how == "grad":
+        return torch.func.grad(lambda t: (layer(t).square() * t).sum())(x)
+    if how == "jacrev":
+        return torch.func.jacrev(layer)(x[:2])
+    if how == "vmap":
+        return torch.func.vmap(layer)(torch.stack([x, x * 2 - 1]))
+    with forward_ad.dual_level():  # forward-mode AD
+        return forward_ad.unpack_dual(layer(forward_ad.make_dual(x, torch.cos(x)))).tangent
+
+
+@pytest.mark.parametrize("how", ["grad", "jacrev", "vmap", "forward_ad"])
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 1.0), ("identity", 0.0)])
+def test_group2_one_process_transforms_in_training_are_batchnorm_and_activation(how, activation, param):
+    """Group 2: in one process a training call under a torch.func transform or forward-mode
+    AD (which the layer's own autograd Function cannot carry) is torch's BatchNorm2d +
+    activation: the same values bit for bit without running statistics (torch.func's
+    batch-norm recipe), with them the same torch error or the same buffers. (It raised.)"""
+    x = torch.randn(3, 4, 5, 2, dtype=torch.float64) + 0.5
+    for track in (False, True):
+        ours = _layer(activation, param, track_running_stats=track).double()
+        ref = _ref64(ours) if track else nn.Sequential(
+            torch_batchnorm(nn.BatchNorm2d, 4, track_running_stats=False).double(),
+            torch_activation(activation, param))
+        if not track:
+            ref[0].load_state_dict(ours.state_dict())
+        results = []
+        for layer in (ours, ref):
+            try:
+                results.append(_transformed(layer, how, x))
+            except RuntimeError as exc:
+                results.append(str(exc))
+        if isinstance(results[1], str):
+            assert track and results[0] == results[1]  # torch's error for running buffers
+            continue
+        assert isinstance(results[0], torch.Tensor), results[0]
+        assert torch.isfinite(results[0]).all()
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+        if track:  # forward-mode AD ran a real training forward: the buffers moved alike
+            torch.testing.assert_close(ours.running_mean, ref[0].running_mean, rtol=0, atol=0)
+            torch.testing.assert_close(ours.running_var, ref[0].running_var, rtol=0, atol=0)
+
+
+def test_group2_transforms_are_exact_in_eval():
+    """Group 2: eval (plain torch ops) computes torch.func and forward-mode AD exactly."""
+    from torch.autograd import forward_ad
+    from torch.func import functional_call, grad
 
     layer = _layer()
     x = torch.randn(3, 4, 5, 2) + 0.5
@@ -1243,13 +1287,6 @@ def test_group2_transforms_raise_in_training_and_are_exact_in_eval():
     def loss(p, t):
         return functional_call(layer, p, (t,)).square().sum()
 
-    with pytest.raises(RuntimeError, match=r"SyncBatchNormAct: torch\.func transforms \(grad, vjp, jacrev"):
-        grad(loss)(params, x)
-    with pytest.raises(RuntimeError, match=r"SyncBatchNormAct: torch\.func transforms \(grad, vjp, jacrev"):
-        jacrev(lambda t: layer(t))(x)
-    with forward_ad.dual_level():
-        with pytest.raises(RuntimeError, match="SyncBatchNormAct: torch.func transforms and forward-mode AD"):
-            layer(forward_ad.make_dual(x, torch.ones_like(x)))
     layer.eval()
     ref = _ref64(layer)
     got = grad(loss, argnums=1)(params, x)

@@ -263,25 +263,39 @@ def test_one_process_torch_func_is_torchs(how):
     got, want = transformed(ours, how, x), transformed(theirs, how, x)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    act = torch.func.replace_all_batch_norm_modules_(syncbn.SyncBatchNormAct(3).double())
-    with pytest.raises(RuntimeError, match=r"^SyncBatchNormAct: torch\.func transforms .*torch\.autograd"
-                                           r".*syncbn\.revert_sync_batchnorm\(model\)"):
-        transformed(act, how, x)
+    # SyncBatchNormAct's own Function cannot run under a transform: in one process it then
+    # takes BatchNorm2d + LeakyReLU's ops, which torch.func takes as it takes them
+    act, plain = syncbn.SyncBatchNormAct(3, "leaky_relu", 0.1).double(), nn.BatchNorm2d(3).double()
+    act.load_state_dict(plain.state_dict())
+    for layer in (act, plain):
+        torch.func.replace_all_batch_norm_modules_(layer)
+    got = transformed(act, how, x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, transformed(nn.Sequential(plain, nn.LeakyReLU(0.1)), how, x), rtol=0, atol=0)
 
 
 @needs_is_exporting
-def test_one_process_training_export_is_refused_only_where_a_function_runs():
+def test_one_process_training_export_is_torchs():
     """Without a group SyncBatchNorm is F.batch_norm, which exports with its backward (the
-    same forward and gradients as torch's layer); SyncBatchNormAct in training runs its own
-    autograd Function, so its export raises as the synchronized call's does."""
+    same forward and gradients as torch's layer); SyncBatchNormAct, whose own autograd
+    Function an export would keep as its forward alone, takes BatchNorm2d + LeakyReLU's
+    ops under an export, backward included. (SyncBatchNormAct raised.)"""
     x, _ = skewed(1)
-    ours, theirs = syncbn.SyncBatchNorm(3).double(), nn.BatchNorm2d(3).double()
-    exported = torch.export.export(ours, (x,)).module()
-    for layer in (exported, theirs):
-        xi = x.clone().requires_grad_()
-        layer(xi).backward(torch.ones_like(x) + x)
-        layer.dx = xi.grad
-    torch.testing.assert_close(exported.dx, theirs.dx, **TOL)
-    torch.testing.assert_close(exported.get_parameter("weight").grad, theirs.weight.grad, **TOL)
-    with pytest.raises(RuntimeError, match=rf"SyncBatchNormAct: {EXPORT_REFUSAL}.*revert_sync_batchnorm"):
-        torch.export.export(syncbn.SyncBatchNormAct(3).double(), (x,))
+    for fused in (False, True):
+        ours = syncbn.SyncBatchNormAct(3, "leaky_relu", 0.1).double() if fused else syncbn.SyncBatchNorm(3).double()
+        theirs = nn.BatchNorm2d(3).double()
+        with torch.no_grad():
+            theirs.weight.copy_(torch.tensor([0.5, -1.5, 2.0]))
+            theirs.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        ours.load_state_dict(theirs.state_dict())
+        exported = torch.export.export(ours, (x,)).module()
+        results = []
+        for layer in (exported, nn.Sequential(theirs, nn.LeakyReLU(0.1)) if fused else theirs):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.backward(torch.ones_like(x) + x)
+            results.append([y, xi.grad, *(p.grad for p in layer.parameters())])
+        assert len(results[0]) == len(results[1]) == 4
+        for got, want in zip(*results):
+            assert got is not None and torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, **TOL)

@@ -133,8 +133,8 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import (check_dtypes, flat_spatial, refuse_create_graph, refuse_export, refuse_trace,
-                         refuse_transform, unflat_spatial)
+from .functional import (check_dtypes, flat_spatial, refuse_capture, refuse_create_graph,
+                         unflat_spatial)
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -184,12 +184,13 @@ def _channel_shape(ndim: int, channels: int) -> list:
     return [1, channels] + [1] * (ndim - 2)
 
 
-def _activate_(y: Tensor, activation: str, param: float) -> Tensor:
-    """The activation, in place on a tensor that nothing else reads."""
+def _activate(y: Tensor, activation: str, param: float, inplace: bool = False) -> Tensor:
+    """The activation: out of place (as ``nn.LeakyReLU`` / ``nn.ELU`` compute it), or in
+    place on a tensor that nothing else reads."""
     if activation == "leaky_relu":
-        return F.leaky_relu(y, param, inplace=True)
+        return F.leaky_relu(y, param, inplace=inplace)
     if activation == "elu":
-        return F.elu(y, param, inplace=True)
+        return F.elu(y, param, inplace=inplace)
     return y
 
 
@@ -359,7 +360,7 @@ class _SyncBatchNormAct(torch.autograd.Function):
             y = stats.affine(centered, offset, gamma * invstd, beta, out=x if inplace and same else centered)
             if not same:
                 y = x.copy_(y) if inplace else y.to(x.dtype)
-        _activate_(y, activation, param)
+        _activate(y, activation, param, inplace=True)
         if inplace:
             ctx.mark_dirty(x)
 
@@ -715,7 +716,7 @@ class _LocalBatchNormAct(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             y, _, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
-        _activate_(y, activation, param)
+        _activate(y, activation, param, inplace=True)
         ctx.save_for_backward(y, weight, bias, invstd)
         ctx.activation = activation
         ctx.param = param
@@ -759,9 +760,8 @@ def _compiling() -> bool:
 
 
 def _dual(*tensors) -> bool:
-    """Whether any of ``tensors`` is a forward-mode dual tensor (only to name the layer in
-    an error; nothing else depends on it). ``torch.func`` transforms are refused before
-    this, by :func:`syncbn.torch.functional.refuse_transform`."""
+    """Whether any of ``tensors`` is a forward-mode dual tensor, which the layer's own
+    autograd Functions cannot carry: refused across ranks, torch's ops in one process."""
     from torch.autograd import forward_ad
 
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
@@ -868,18 +868,26 @@ class SyncBatchNormAct(_SyncNormBase):
             guard()
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         local_plain = not (bn_training and self.training)  # eval: running or local batch stats
-        if not local_plain:  # its Functions, in any world size (before the momentum count moves)
-            refuse_transform(type(self).__name__, self)
-        if not local_plain and _dual(input, self.weight, self.bias):
-            raise RuntimeError(
-                "SyncBatchNormAct: torch.func transforms and forward-mode AD are not supported in "
-                "training mode (the backward pass is rebuilt from the output by a custom autograd "
-                "Function). Put the layer in eval mode, or use syncbn.revert_sync_batchnorm(model) "
-                "to get BatchNorm + activation modules for this computation."
-            )
+        captured = False
         syncing = not local_plain and distributed.group_size(self.process_group) > 1
-        if syncing:
-            refuse_trace(type(self).__name__, self)
+        if syncing:  # before the momentum count moves: every rank alike, before any collective
+            refuse_capture(type(self).__name__, self)  # export, jit.trace, torch.func
+            if _dual(input, self.weight, self.bias):
+                raise RuntimeError(
+                    "SyncBatchNormAct: torch.func transforms and forward-mode AD are not supported in "
+                    "training mode across ranks (the synchronized backward pass is a custom autograd "
+                    "Function). Put the layer in eval mode, or use syncbn.revert_sync_batchnorm(model) "
+                    "to get BatchNorm + activation modules for this computation."
+                )
+        elif not local_plain and (distributed.transforming() or distributed.exporting()
+                                  or _dual(input, self.weight, self.bias)):
+            # one process under a capture that cannot hold the layer's own autograd Function
+            # (a torch.func transform, forward-mode AD, torch.export): F.batch_norm and the
+            # activation, exactly what BatchNorm + activation compute (and what the capture
+            # takes or refuses as it does them), without the memory saving; the activation
+            # out of place, as an activation module computes it (ELU's in-place backward
+            # reads its output: other roundings)
+            local_plain = captured = True
         if not syncing and input.numel() == 0:
             local_plain = True  # an empty batch on one process: as torch.nn does it
         # a checkpoint's recomputed forward (as SyncBatchNorm): same output, buffers moved once
@@ -899,10 +907,9 @@ class SyncBatchNormAct(_SyncNormBase):
                     t is not None and t.requires_grad for t in (input, self.weight, self.bias))
                 running_mean, running_var = _eval_buffers(running_mean, running_var, needs_grad)
             out = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, momentum, self.eps)
-            return _activate_(out, self.activation, self.activation_param)
+            return _activate(out, self.activation, self.activation_param, inplace=not captured)
         if self.eps <= 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
-        refuse_export(type(self).__name__, self)  # its Function's backward would not be exported
         check_dtypes(input, self.weight, self.bias, running_mean, running_var, type(self).__name__)
         inplace = self.inplace and input.is_contiguous(memory_format=stats.memory_format(input))
         refusal = _in_place_refusal(input) if inplace else None

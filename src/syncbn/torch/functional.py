@@ -70,8 +70,8 @@ def _label(name: str, layer) -> str:
 
 def refuse_export(name: str, layer=None) -> None:
     """Raise, naming the layer and the fix, while ``torch.export.export`` traces a
-    training-mode call that runs one of syncbn's autograd Functions (every synchronized
-    call; ``SyncBatchNormAct`` also in one process). torch (2.13) exports such a Function
+    training-mode call that synchronizes (``SyncBatchNormAct`` in one process takes torch's
+    ops under an export instead of its own Function). torch (2.13) exports such a Function
     as its forward alone: the program's forward synchronizes, one all-reduce per layer
     (nested in ``wrap_with_set_grad_enabled`` subgraphs after the first), but no gradient
     flows through the layer, so a backward pass through ``exported.module()`` raises, or,
@@ -113,8 +113,8 @@ def refuse_trace(name: str, layer=None) -> None:
 
 def refuse_transform(name: str, layer=None) -> None:
     """Raise, naming the layer, the transforms and the fix, when a training-mode call that
-    runs one of syncbn's autograd Functions (every synchronized call; ``SyncBatchNormAct``
-    also in one process) is made under a ``torch.func`` transform: the Functions have no
+    synchronizes is made under a ``torch.func`` transform (``SyncBatchNormAct`` in one
+    process takes torch's ops under one instead of its own Function): the Functions have no
     ``setup_context`` (nor a vmap rule), so torch would refuse them with its generic message.
     Depends only on the call: every rank alike, before any collective."""
     if not distributed.transforming():
