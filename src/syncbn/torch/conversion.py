@@ -4,17 +4,18 @@ and back again for single-device inference and export.
 The swap moves the very same parameter and buffer tensors into the new module, so an
 optimizer built before the conversion keeps working, and values, ``requires_grad``,
 device, dtype, the ``training`` flag, attributes and child modules set on the instance
-and its module hooks are kept (not a fused layer's hooks, see below). A BatchNorm subclass that overrides ``forward`` (an
-activation or dropout after the normalization) or another method of torch's batch norm
-(``train``, to keep a frozen layer in eval mode) is never replaced by a plain layer that
-would drop that behaviour: it is left as it is, with a warning that counts the layers
-left local (or an error, with ``strict=True``), unless a conversion for its class was
-registered with :func:`register_conversion`. timm's norm-act layers are registered that
-way (:mod:`syncbn.torch.timm`) as soon as timm is imported. So is a layer whose behaviour
-lives outside its parameters and buffers (a weight pruned with ``torch.nn.utils.prune``
-or parametrized with ``torch.nn.utils.parametrize``): moving its tensors would silently
-drop that behaviour. So is a hooked :class:`syncbn.SyncBatchNormAct` on revert, and a
-hooked batch norm is not fused: a hook on the fused layer sees the activated output.
+and its module hooks are kept (not a fused layer's hooks, see below). A BatchNorm
+subclass that overrides ``forward`` (an activation or dropout after the normalization)
+or another method of torch's batch norm (``train``, to keep a frozen layer in eval mode)
+is never replaced by a plain layer that would drop that behaviour: it is left as it is,
+with a warning that counts the layers left local (or an error, with ``strict=True``),
+unless a conversion for its class was registered with :func:`register_conversion`.
+timm's norm-act layers are registered that way (:mod:`syncbn.torch.timm`) as soon as
+timm is imported. So is a layer whose behaviour lives outside its parameters and buffers
+(a weight pruned with ``torch.nn.utils.prune`` or parametrized with
+``torch.nn.utils.parametrize``): moving its tensors would silently drop that behaviour.
+So is a hooked :class:`syncbn.SyncBatchNormAct` on revert, and a hooked batch norm is
+not fused: a hook on the fused layer sees the activated output.
 
 :func:`fuse_batchnorm_act` goes one step further for memory: each batch norm followed
 directly by an invertible activation becomes one :class:`syncbn.SyncBatchNormAct`.
@@ -404,8 +405,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     another of torch's batch-norm methods, such as ``train``, with no registered
     conversion, a lazy module not yet materialized (by one forward or by
     ``load_state_dict``: then it converts), a layer whose behaviour lives outside its
-    parameters and buffers: a pruned or parametrized weight; a batch norm inside TorchScript code, ``torch.jit.script`` or ``trace``) stays local:
-    a warning says
+    parameters and buffers: a pruned or parametrized weight; a batch norm inside
+    TorchScript code, ``torch.jit.script`` or ``trace``) stays local: a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
     ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
     decision depends only on the model, so every rank raises alike).
