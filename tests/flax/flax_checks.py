@@ -1554,6 +1554,42 @@ def exported_outputs(fn, *args):
 
 
 @check
+def nnx_convert_carries_what_was_set_on_a_layer():
+    """What a user set on an nnx.BatchNorm beside its own fields (a Variable, an array under
+    nnx.data, a submodule, a plain value) is on the converted layer and on the reverted one,
+    held alike (node or static), so the model's state keeps every entry: convert dropped
+    them (the state lost the layer's extra Variables, a checkpoint no longer matched)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    import syncbn.flax.nnx as snnx
+
+    layer = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    layer.steps = nnx.BatchStat(jnp.zeros((), jnp.int32))
+    layer.extra = nnx.data(jnp.arange(3.0))
+    layer.probe = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+    layer.tag = "encoder"
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(2)), layer)
+    nodes = dict(layer._pytree__nodes)
+
+    def entries(m):
+        return sorted(str(path) for path, _ in nnx.to_flat_state(nnx.state(m)))
+
+    before = entries(model)
+    assert {"('layers', 1, 'steps')", "('layers', 1, 'extra')", "('layers', 1, 'probe', 'kernel')"} <= set(before), before
+    for step, change in (("convert", lambda m: snnx.convert(m, axis_name=AXIS)), ("revert", snnx.revert)):
+        change(model)
+        got = model.layers[1]
+        assert type(got) is (snnx.BatchNorm if step == "convert" else nnx.BatchNorm), (step, type(got))
+        assert entries(model) == before, (step, set(entries(model)) ^ set(before))
+        assert got.steps is layer.steps and got.probe is layer.probe and got.tag == "encoder", step
+        assert np.array_equal(np.asarray(got.extra), np.arange(3.0)), step
+        assert {k: v for k, v in got._pytree__nodes.items() if k in nodes} == nodes, step
+    assert not hasattr(model.layers[1], "axis_before_convert")
+    return {"entries": len(before)}
+
+
+@check
 def jax_export_eval_and_training():
     """Deployment through ``jax.export``. Evaluation (use_running_average=True) of a
     converted linen model and a converted nnx model exports and gives exactly what Flax's

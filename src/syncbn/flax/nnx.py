@@ -51,21 +51,22 @@ class BatchNorm(nnx.BatchNorm):
         return y
 
 
-_SHARED = ("mean", "var", "scale", "bias")
-_CONFIG = ("num_features", "use_running_average", "axis", "momentum", "epsilon", "dtype", "param_dtype",
-           "use_bias", "use_scale", "axis_name", "axis_index_groups", "use_fast_variance", "promote_dtype")
 # On a layer whose axis convert() replaced: the (axis_name, axis_index_groups) it had, for revert().
 _AXIS_BEFORE = "axis_before_convert"
 
 
-def _rebuilt(old: nnx.BatchNorm, cls) -> nnx.BatchNorm:
-    """A ``cls`` layer with ``old``'s configuration and its very Variable objects (their
-    values, sharding and any optimizer state referring to them stay valid)."""
+def _rebuilt(old: nnx.BatchNorm, cls, skip: tuple = ()) -> nnx.BatchNorm:
+    """A ``cls`` layer holding every attribute of ``old`` but those in ``skip``, each as
+    ``old`` holds it (a pytree node or static): its configuration, its very Variable
+    objects (their values, sharding and any optimizer state referring to them stay
+    valid), and whatever else was set on the layer (a Variable, a submodule, an array
+    under ``nnx.data``, a plain value), so the model's state keeps every entry."""
     new = cls(old.num_features, use_scale=old.use_scale, use_bias=old.use_bias, rngs=nnx.Rngs(0))
-    for name in _CONFIG:
-        setattr(new, name, getattr(old, name))
-    for name in _SHARED:
-        setattr(new, name, getattr(old, name))
+    nodes = vars(old).get("_pytree__nodes", {})
+    for name, value in vars(old).items():
+        if name.startswith("_pytree__") or name in skip:
+            continue
+        setattr(new, name, nnx.data(value) if nodes.get(name, False) else nnx.static(value))
     return new
 
 
@@ -191,7 +192,7 @@ def revert(model):
             return layer
         if type(layer) is not BatchNorm:
             return None
-        new = _rebuilt(layer, nnx.BatchNorm)
+        new = _rebuilt(layer, nnx.BatchNorm, skip=(_AXIS_BEFORE,))
         if hasattr(layer, _AXIS_BEFORE):
             new.axis_name, new.axis_index_groups = getattr(layer, _AXIS_BEFORE)
         return new
