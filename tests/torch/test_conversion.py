@@ -771,6 +771,16 @@ def test_buffers_set_to_none_stay_none_through_convert_and_revert(cleared):
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
 
 
+def _state_dict_hooks(bn, post, load_pre):
+    """Register ``post`` as a state_dict post-hook and ``load_pre`` as a load_state_dict
+    pre-hook of ``bn`` (each called with the module first); the handles. torch 2.4 has
+    neither public method: there their private predecessors fill the same dicts with the
+    same calls."""
+    if hasattr(bn, "register_state_dict_post_hook"):
+        return bn.register_state_dict_post_hook(post), bn.register_load_state_dict_pre_hook(load_pre)
+    return bn._register_state_dict_hook(post), bn._register_load_state_dict_pre_hook(load_pre, with_module=True)
+
+
 def check_hooks_and_attributes_move(model, find, layer_types, make_input):
     """Hook the layer ``find(model)`` (forward, forward-pre with kwargs, full backward,
     state_dict and load_state_dict hooks), set an attribute and a child module on it, then
@@ -788,8 +798,7 @@ def check_hooks_and_attributes_move(model, find, layer_types, make_input):
         bn.register_forward_hook(note("forward")),
         bn.register_forward_pre_hook(note("pre_kwargs"), with_kwargs=True),
         bn.register_full_backward_hook(note("backward")),
-        bn.register_state_dict_post_hook(note("state_dict")),
-        bn.register_load_state_dict_pre_hook(note("load_pre")),
+        *_state_dict_hooks(bn, note("state_dict"), note("load_pre")),
         bn.register_load_state_dict_post_hook(note("load_post")),
     ]
     bn.freeze_at_epoch = 3
