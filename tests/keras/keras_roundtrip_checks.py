@@ -1092,9 +1092,10 @@ def convert_warns_of_attributes_outside_the_config():
         def call(self, x):
             return x * self.factor
 
-    def converted(layer):
+    def converted(layer, bn=None):
         inputs = keras.Input((4,))
-        model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(layer(inputs)))
+        bn = bn or keras.layers.BatchNormalization(name="bn")
+        model = keras.Model(inputs, bn(layer(inputs)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             convert(model)
@@ -1105,6 +1106,12 @@ def convert_warns_of_attributes_outside_the_config():
     layer.factor = 5.0
     messages = converted(layer)
     assert len(messages) == 1 and "scale.factor (5.0; the copy has 1.0)" in messages[0], messages
+    # on a batch norm itself, which convert swaps for a SyncBatchNormalization (it was dropped
+    # without a word)
+    bn = keras.layers.BatchNormalization(name="bn")
+    bn.frozen_by = "user"
+    messages = converted(Scale(name="scale"), bn)
+    assert len(messages) == 1 and "bn.frozen_by ('user'; the copy has 'no such attribute')" in messages[0], messages
     return {}
 
 

@@ -222,6 +222,7 @@ class _Swap:
                     shape[bn.axis] = bn.moving_mean.shape[0]
                     new.build(tuple(shape))
             new.set_weights(bn.get_weights())
+        self.differing += _differing_attributes(bn, new)
         return new
 
     def retype(self, bn):
@@ -507,17 +508,26 @@ def _copy_state(old, new):
         if isinstance(a, keras.layers.RNN) and a.stateful and a.states is not None and b.states is not None:
             for va, vb in zip(keras.tree.flatten(a.states), keras.tree.flatten(b.states)):
                 vb.assign(va)
-        ours = vars(b)
-        for key, value in vars(a).items():
-            if key.startswith("_") or key == "name" or not isinstance(value, (bool, int, float, str, type(None))):
-                continue
-            if key not in ours or type(ours[key]) is not type(value) or ours[key] != value:
-                differing.append(f"{a.name}.{key} ({value!r}; the copy has {ours.get(key, 'no such attribute')!r})")
+        differing += _differing_attributes(a, b)
     # and then every variable as it is: a file's values are what a layer exports, not
     # always what it holds (a LoRA-enabled Dense or Embedding saves its kernel with the
     # adapter merged in and zeroes both adapter factors when it loads, which no gradient
     # then moves); what a layer derived when it loaded is derived from these same values
     new.set_weights(old.get_weights())
+    return differing
+
+
+def _differing_attributes(old, new) -> list:
+    """``layer.attribute`` (with both values) for each public attribute of a plain value (a
+    number, a string, a bool, None) that ``new``, a copy of ``old``, has otherwise: set
+    after construction and absent from the config, no copy can know it."""
+    differing = []
+    ours = vars(new)
+    for key, value in vars(old).items():
+        if key.startswith("_") or key == "name" or not isinstance(value, (bool, int, float, str, type(None))):
+            continue
+        if key not in ours or type(ours[key]) is not type(value) or ours[key] != value:
+            differing.append(f"{old.name}.{key} ({value!r}; the copy has {ours.get(key, 'no such attribute')!r})")
     return differing
 
 
