@@ -254,7 +254,9 @@ def eval_export_job(fused):
     model.eval()
     x, _ = batch(99)
     outs = {"eager": model(x).detach()}
-    outs["export"] = torch.export.export(model, (x,)).module()(x).detach()
+    for strict in (False, True):
+        outs[f"export strict={strict}"] = torch.export.export(model, (x,), strict=strict).module()(x).detach()
+    outs["compile"] = torch.compile(model, backend="eager")(x).detach()
     outs["trace"] = torch.jit.trace(model, (x,))(x).detach()  # check_trace on: traced twice, compared
     outs["functional_call"] = torch.func.functional_call(model, dict(model.state_dict()), (x,)).detach()
     try:

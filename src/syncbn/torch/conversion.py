@@ -547,6 +547,13 @@ class _FusedActivation(nn.Identity):
         self.__dict__["_syncbn_original"] = original
         self.__dict__["_syncbn_fused_into"] = fused_into
 
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # nn.Identity's, written here: torch 2.4's dynamo (torch.compile, strict export)
+        # records a module whose forward is torch.nn's as one call and deep-copies it to
+        # do so, the two modules it remembers included; a fused layer on an explicit
+        # process group (which cannot be copied) then failed there in eval mode
+        return input
+
     def extra_repr(self) -> str:
         return f"fused into the preceding SyncBatchNormAct: {self._syncbn_original!r}"
 
