@@ -71,6 +71,41 @@ def check_local(info):
     info["local_variance_relative_error_at_ratio_1e3"] = errors
 
 
+def check_convert_modes(info):
+    """convert/revert on the torch backend: each layer of the copy (and the torch modules it
+    holds) has the original's torch ``training`` mode (a layer put in eval mode came back
+    in train mode), and neither that mode nor a NaN attribute the copy has alike is named
+    in the attribute warning."""
+    import warnings
+
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    class Gate(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.threshold = float("nan")  # set alike by every construction
+
+        def call(self, x):
+            return x
+
+    inputs = keras.Input((4, 3))
+    model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(Gate(name="gate")(inputs)))
+    model.get_layer("bn").eval()
+    model.get_layer("gate").eval()
+    result = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, made in (("convert", convert(model)), ("revert", revert(convert(model)))):
+            result[step] = {layer.name: [m.training for m in layer.modules()]
+                            for layer in made._flatten_layers(include_self=True, recursive=True)}
+    result["original"] = {layer.name: [m.training for m in layer.modules()]
+                          for layer in model._flatten_layers(include_self=True, recursive=True)}
+    result["warnings"] = [str(w.message) for w in caught if "attributes" in str(w.message)]
+    info["convert_modes"] = result
+
+
 def check_second_order(info, rank, calls):
     """A gradient penalty (backward with create_graph=True) raises a RuntimeError that
     names the problem on both ranks, after the forward all-reduce and before any
@@ -147,6 +182,7 @@ def main():
     out = Path(args.out)
     info = {}
     check_local(info)
+    check_convert_modes(info)
 
     dist.init_process_group("gloo", rank=args.rank, world_size=2)
     calls = []

@@ -94,3 +94,13 @@ def test_swapped_layers_raise_on_both_ranks(run):
         assert "rank 0 called layer 'first' (3 features), call 0 of the step" in result["error"], result
         assert "rank 1 called layer 'second' (3 features), call 0 of the step" in result["error"], result
         assert result["moved"] == [False, False], result
+
+
+def test_convert_keeps_torch_modes(run):
+    """A layer put in eval mode (torch's module mode) is in eval mode in the copy, and in
+    the reverted copy; no warning names ``training`` or a NaN attribute the copy has alike."""
+    result = json.loads((run / "info-0.json").read_text())["convert_modes"]
+    assert result["original"]["bn"] == [False] * len(result["original"]["bn"]), result
+    for step in ("convert", "revert"):
+        assert result[step] == result["original"], (step, result)
+    assert result["warnings"] == [], result["warnings"]

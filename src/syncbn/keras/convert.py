@@ -131,6 +131,7 @@ class _Swap:
 
     def run(self, model):
         result = self.copy(model)
+        _keep_torch_modes(model, result)
         if self.skipped:
             names = sorted({f"{layer.name} ({type(layer).__name__})" for layer in self.skipped})
             warnings.warn(
@@ -517,6 +518,28 @@ def _copy_state(old, new):
     return differing
 
 
+def _keep_torch_modes(old, new) -> None:
+    """On the torch backend, where every layer is a ``torch.nn.Module``: give each of the
+    copy's layers, and the torch modules each holds (a wrapped torch layer, which reads
+    its mode when the model is called directly), the ``training`` mode of the original's
+    (``model.eval()`` or ``layer.eval()`` before converting). Layer by layer where the two
+    trees match, else the root's mode for the whole copy."""
+    if keras.backend.backend() != "torch" or not hasattr(new, "train"):
+        return
+    olds = list(old._flatten_layers(include_self=True, recursive=True))
+    news = list(new._flatten_layers(include_self=True, recursive=True))
+    if len(olds) != len(news):
+        new.train(old.training)
+        return
+    for a, b in zip(olds, news):
+        held_a, held_b = list(a.modules()), list(b.modules())
+        if len(held_a) != len(held_b):
+            b.train(a.training)
+            continue
+        for x, y in zip(held_a, held_b):
+            y.training = x.training
+
+
 def _differing_attributes(old, new) -> list:
     """``layer.attribute`` (with both values) for each public attribute of a plain value (a
     number, a string, a bool, None) that ``new``, a copy of ``old``, has otherwise: set
@@ -526,7 +549,10 @@ def _differing_attributes(old, new) -> list:
     for key, value in vars(old).items():
         if key.startswith("_") or key == "name" or not isinstance(value, (bool, int, float, str, type(None))):
             continue
-        if key not in ours or type(ours[key]) is not type(value) or ours[key] != value:
+        if key == "training" and keras.backend.backend() == "torch":
+            continue  # torch's module mode, which the copy takes (_keep_torch_modes)
+        if key not in ours or type(ours[key]) is not type(value) or (
+                ours[key] != value and not (value != value and ours[key] != ours[key])):  # NaN is NaN
             differing.append(f"{old.name}.{key} ({value!r}; the copy has {ours.get(key, 'no such attribute')!r})")
     return differing
 
