@@ -4,6 +4,7 @@ so code that only the interpreter would accept (the CPU tests of test_kernels.py
 there) fails here. Each kernel in the variants the layers launch: every input dtype,
 with and without affine parameters, running buffers, activation and kept channels."""
 
+import inspect
 import itertools
 
 import pytest
@@ -26,9 +27,15 @@ def _compute(dtype):
 def _compile(name, signature, constexprs):
     kernels._triton()
     fn = triton.jit(getattr(kernels, name))
-    for key, value in constexprs.items():
-        signature[key] = "constexpr"
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET)
+    if "constexprs" in inspect.signature(ASTSource).parameters:
+        for key, value in constexprs.items():
+            signature[key] = "constexpr"
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    else:  # Triton 3.0 (torch 2.4's): parameters by position, the constexprs as constants
+        where = fn.arg_names.index
+        source = ASTSource(fn=fn, signature={where(k): v for k, v in signature.items()},
+                           constants={where(k): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=TARGET)
     assert compiled.asm.get("cubin"), name
 
 
