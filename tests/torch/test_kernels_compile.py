@@ -137,3 +137,19 @@ def test_launchers_have_shapes_for_torch_compile():
         payload, local = kernels.moment_payload(kernels.moment_partials(x32, True), fixed, 40, True)
         assert payload.shape == (18 + 1 + 12,) and local.shape == (2, 6) and local.dtype == torch.float64
         assert kernels.merge(payload, fixed, scalars, momentum, rm, rv, torch.float32, w, w, 1, local)[2].shape == (6,)
+
+
+@pytest.mark.parametrize("version,takes", [((3, 0), False), ((3, 3), False), (None, False), ((3, 4), True),
+                                           ((4, 0), True)])
+def test_the_kernels_take_only_a_tested_triton(monkeypatch, version, takes):
+    """Below the [triton] extra's floor (Triton 3.0 comes with torch 2.4: its interpreter
+    could not run the kernels, so they were never tested there), or where no distribution
+    gives Triton's version, the layers keep the torch-op path on CUDA (they took the
+    kernels with any Triton)."""
+    monkeypatch.setattr(kernels, "_triton_version", lambda: version)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    kernels._installed.cache_clear()
+    try:
+        assert kernels.available("cuda") is takes
+    finally:
+        kernels._installed.cache_clear()

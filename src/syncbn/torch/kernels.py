@@ -111,18 +111,46 @@ triton = None
 tl = None  # bound by _triton(): the kernels' source refers to it as a global
 
 
+# the oldest Triton the kernels are tested with (the ``[triton]`` extra's floor): Triton
+# 3.0 (torch 2.4's) compiles them, but its interpreter read their ``tl.constexpr``
+# annotations as plain arguments and could not apply ``~`` to a mask, so no test has ever
+# run them there; an older Triton leaves the layers on the torch-op path
+MIN_TRITON = (3, 4)
+
+
 def _find_spec() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
 
 
+def _triton_version():
+    """Triton's version as a tuple of ints from its distribution's metadata (so without
+    importing it), or None where no distribution says (``pytorch-triton`` builds too)."""
+    import importlib.metadata
+    import re
+
+    for dist in ("triton", "pytorch-triton", "triton-nightly"):
+        try:
+            text = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found = re.match(r"(\d+)\.(\d+)", text)
+        if found:
+            return tuple(int(part) for part in found.groups())
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _installed() -> bool:
+    """Triton importable, at :data:`MIN_TRITON` or newer."""
     try:
-        return _find_spec()
+        if not _find_spec():
+            return False
     except (ImportError, ValueError):  # pragma: no cover
         return False
+    version = _triton_version()
+    return version is not None and version >= MIN_TRITON
 
 
 def _triton():
@@ -163,8 +191,9 @@ def enable_interpreter() -> bool:
 
 
 def available(device) -> bool:
-    """Whether the kernels can run on ``device`` in this process: Triton installed, and a
-    CUDA device with Triton compiling, or the CPU with Triton interpreting."""
+    """Whether the kernels can run on ``device`` in this process: Triton installed (at
+    :data:`MIN_TRITON` or newer), and a CUDA device with Triton compiling, or the CPU with
+    Triton interpreting."""
     if not _installed():
         return False
     kind = torch.device(device).type
