@@ -4,34 +4,15 @@ Launched with 2 processes on the CPU (``python -m torch.distributed.run --standa
 --nproc-per-node 2 tests/accelerate_worker.py OUT_DIR``);
 ``accelerate.Accelerator(cpu=True)`` then runs as MULTI_CPU over gloo. Each process saves its
 model's state after training, and the distributed type accelerate chose, to
-``OUT_DIR/rank{R}.pt``. The model, data and steps are :func:`build_model` and
-:func:`dataset`, which the test reuses for its one-process reference.
+``OUT_DIR/rank{R}.pt``. The model, data and steps are recipe_job's, which the test also
+compares with one process.
 """
 
 import sys
 
 import torch
 
-BATCH, STEPS, WORLD, LR = 2, 2, 2, 0.1  # BATCH rows per process and step
-
-
-def build_model():
-    """tests/verify_models.py's small ResNet (BatchNorm2d layers and a BatchNorm1d head with
-    momentum=None), seeded, in float64."""
-    from verify_models import TinyResNet
-
-    torch.manual_seed(5)
-    return TinyResNet(classes=4).double()
-
-
-def dataset():
-    """(x, g) rows for every step of every process, in the order accelerate deals them out:
-    the loader's batch s * WORLD + r goes to process r at step s."""
-    gen = torch.Generator().manual_seed(23)
-    n = BATCH * WORLD * STEPS
-    x = torch.randn(n, 3, 5, 5, generator=gen, dtype=torch.float64) * 2 + 0.5
-    g = torch.randn(n, 4, generator=gen, dtype=torch.float64)
-    return torch.utils.data.TensorDataset(x, g)
+from recipe_job import BATCH, LR, build_model, dataset
 
 
 def main(out_dir: str) -> None:
@@ -43,7 +24,7 @@ def main(out_dir: str) -> None:
     accelerator = accelerate.Accelerator(cpu=True)  # without cpu=True, no GPU: each process alone (NO)
     model = syncbn.convert_sync_batchnorm(build_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*dataset()), batch_size=BATCH)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # -- end of the recipe --
     for x, g in loader:

@@ -6,34 +6,15 @@ files under RAY_TEMP_DIR), runs a ``TorchTrainer`` with 2 CPU workers, and shuts
 Each worker converts the model, lets ``ray.train.torch.prepare_model`` wrap it in DDP
 (gloo, as Ray chooses for ``use_gpu=False``), trains :data:`STEPS` steps of SGD on its
 rows of each step's batch, and saves its model's state, its rank, world size, backend and
-batch norm classes to ``OUT_DIR/rank{R}.pt``. The model, data and steps are
-:func:`build_model` and :func:`dataset`, which the test reuses for its one-process reference.
+batch norm classes to ``OUT_DIR/rank{R}.pt``. The model, data and steps are recipe_job's,
+which the test also compares with one process.
 """
 
 import sys
 
 import torch
 
-BATCH, STEPS, WORLD, LR = 2, 2, 2, 0.1  # BATCH rows per worker and step
-
-
-def build_model():
-    """tests/verify_models.py's small ResNet (BatchNorm2d layers and a BatchNorm1d head with
-    momentum=None), seeded, in float64."""
-    from verify_models import TinyResNet
-
-    torch.manual_seed(5)
-    return TinyResNet(classes=4).double()
-
-
-def dataset():
-    """(x, g) for every step: step s's batch is rows ``s * BATCH * WORLD`` on, of which
-    worker r takes the r-th BATCH rows; g is the output gradient (loss = mean of output * g)."""
-    gen = torch.Generator().manual_seed(23)
-    n = BATCH * WORLD * STEPS
-    x = torch.randn(n, 3, 5, 5, generator=gen, dtype=torch.float64) * 2 + 0.5
-    g = torch.randn(n, 4, generator=gen, dtype=torch.float64)
-    return x, g
+from recipe_job import BATCH, LR, STEPS, WORLD, build_model, dataset
 
 
 def train_loop_per_worker(config):

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("ray.train.torch", reason="ray[train] is not installed (requirements/dev.txt pins it)")
 
-import ray_worker as job  # noqa: E402
+import recipe_job  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,27 +86,10 @@ def test_ray_train_two_cpu_workers_equal_one_big_batch(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert driver.returncode == 0, output[-6000:]
     assert not left, f"Ray processes left running after ray.shutdown(): {left}"
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(job.WORLD)]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(recipe_job.WORLD)]
     for r, result in enumerate(results):
-        assert (result["rank"], result["world"], result["backend"], result["ddp"]) == (r, job.WORLD, "gloo", True)
+        assert (result["rank"], result["world"], result["backend"], result["ddp"]) == (r, recipe_job.WORLD, "gloo", True)
         assert result["master_addr"] == "127.0.0.1"
         assert result["layers"] == ["SyncBatchNorm"]
 
-    model = job.build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=job.LR)
-    x_all, g_all = job.dataset()
-    rows = job.BATCH * job.WORLD
-    for step in range(job.STEPS):
-        x, g = x_all[step * rows : (step + 1) * rows], g_all[step * rows : (step + 1) * rows]
-        opt.zero_grad()
-        (model(x) * g).mean().backward()  # the workers' mean losses, averaged by DDP
-        opt.step()
-    for key, ref in model.state_dict().items():
-        for result in results:
-            # float64 (unit roundoff 1.1e-16), 2 steps of a 6-BN-layer net: the workers sum
-            # in another order (a few ulp), amplified by the 1/std factors of the BN layers
-            # (measured: at most 4.4e-16 apart; without the conversion 68 of the 2 x 36 differ,
-            # by up to 1.45);
-            # NaN/inf fail assert_close
-            torch.testing.assert_close(result["state"][key], ref, rtol=1e-10, atol=1e-12,
-                                       msg=lambda m, key=key: f"{key}: {m}")
+    recipe_job.assert_equal_to_one_process([result["state"] for result in results])
