@@ -44,8 +44,9 @@ from torch import Tensor
 from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
-__all__ = ["sync_batch_norm", "InputDtypeError", "InputTypeError", "check_input", "check_channels", "flat_spatial", "unflat_spatial", "check_dtypes", "recomputing",
-           "refuse_create_graph", "refuse_capture", "refuse_export", "refuse_trace", "refuse_transform"]
+__all__ = ["sync_batch_norm", "InputDtypeError", "InputTypeError", "check_input", "check_channels", "flat_spatial",
+           "unflat_spatial", "check_dtypes", "recomputing", "refuse_create_graph", "refuse_capture", "refuse_export",
+           "refuse_trace", "refuse_transform"]
 
 
 def refuse_create_graph(name: str) -> None:
