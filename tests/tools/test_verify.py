@@ -80,6 +80,18 @@ def test_usage_errors_exit_2(capsys):
     assert "no attribute" in capsys.readouterr().err
 
 
+def test_an_input_shape_the_model_cannot_take_exits_2_before_any_rank_starts(capsys):
+    """A wrong channel count on --input-shape failed on every rank with the model's own
+    error and exit 1, the status of a synchronization that is not exact; it is a usage
+    error, found by one forward in this process, with no pool started."""
+    start = time.monotonic()
+    assert verify.main(["verify_models:twice", "--input-shape", "2,5,8,8", "--timeout", "120"]) == 2
+    err = capsys.readouterr().err
+    assert "verify_models:twice fails in one process on the whole batch (2 x --input-shape 2,5,8,8" in err
+    assert "expected input[4, 5, 8, 8] to have 3 channels" in err and "Check --input-shape" in err
+    assert time.monotonic() - start < 30
+
+
 def _verdict(ours, reference, tolerance=1e-6):
     """``verify.compare``'s verdict for one layer output, one buffer and one parameter,
     where both ranks report ``ours`` and the one-process reference is ``reference``

@@ -183,6 +183,27 @@ def build_model(spec: VerifySpec):
     return model.to(getattr(torch, spec.dtype)).train()
 
 
+def _check_runs_here(spec: VerifySpec) -> None:
+    """Build the model and run its forward once in this process on the whole first batch
+    (the W ranks' batches together, as the reference runs it), before any rank starts:
+    a factory or an input shape the model cannot take (a wrong channel count) is a usage
+    error (exit 2) named here, not a distributed FAIL (exit 1) that reads as syncbn's."""
+    import torch
+
+    model = build_model(spec)
+    x = torch.cat([rank_input(spec, 0, r) for r in range(spec.world_size)])
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:
+        raise UsageError(
+            f"{spec.target} fails in one process on the whole batch ({spec.world_size} x --input-shape "
+            f"{','.join(map(str, spec.input_shape))}, before any rank starts): {type(exc).__name__}: {exc}. "
+            "Check --input-shape (the channel count and sizes the model takes) and that the model runs "
+            "without syncbn"
+        ) from exc
+
+
 def rank_input(spec: VerifySpec, step: int, rank: int, nudge: int = 0):
     """Rank ``rank``'s batch at ``step``: random, with a non-zero mean. ``nudge`` > 0:
     the same batch with every element moved by a few ulp (a different pattern per value)."""
@@ -773,7 +794,7 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
     from .launch import WorkerError, WorkerPool
 
     _check_spec(spec)
-    build_model(spec)  # fail early, here, on a bad factory
+    _check_runs_here(spec)  # fail early, here, on a bad factory or input shape
     job_timeout = spec.timeout * (spec.steps + 2) + 60
     try:
         if pool is not None:
