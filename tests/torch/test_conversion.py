@@ -263,11 +263,105 @@ def test_a_lazy_batch_norm_materialized_by_load_state_dict_converts(rank, then):
 
 
 def test_a_lazy_batch_norm_materialized_by_load_state_dict_carries_hooks_and_attributes():
-    """As a plain layer does (its own shape-inference hooks are not among them)."""
+    """As a plain layer does, those hooks that are not in a dictionary holding its own
+    shape-inference hooks (which stay with it, see the next two tests)."""
     model = _stem()
     model[1] = nn.LazyBatchNorm2d()
     model.load_state_dict(_seeded(_stem()).state_dict())
-    check_hooks_and_attributes_move(model, lambda m: m[1], ("SyncBatchNorm", "BatchNorm2d"), _image)
+    check_hooks_and_attributes_move(model, lambda m: m[1], ("SyncBatchNorm", "BatchNorm2d"), _image,
+                                    kinds=("forward", "backward", "state_dict", "load_post"))
+
+
+def _layer_as_it_is(m):
+    """What a module holds: its class, its attributes (the objects), the entries of each
+    dictionary among them (hooks, parameters, buffers, children) and its tensors' values."""
+    tensors = {name: t.detach().clone() for name, t in [*m._parameters.items(), *m._buffers.items()] if t is not None}
+    return type(m), dict(vars(m)), {k: dict(v) for k, v in vars(m).items() if isinstance(v, dict)}, tensors
+
+
+def _assert_as_it_was(m, before):
+    cls, attributes, dictionaries, tensors = _layer_as_it_is(m)
+    assert cls is before[0]
+    assert attributes.keys() == before[1].keys() and all(attributes[k] is v for k, v in before[1].items())
+    assert dictionaries.keys() == before[2].keys()
+    for name, entries in before[2].items():
+        assert dictionaries[name].keys() == entries.keys(), name
+        assert all(dictionaries[name][k] is v for k, v in entries.items()), name
+    assert tensors.keys() == before[3].keys() and all(torch.equal(tensors[k], v) for k, v in before[3].items())
+
+
+@pytest.mark.parametrize("step", ["convert", "fuse"])
+def test_converting_a_lazy_batch_norm_leaves_the_layer_the_user_holds_as_it_was(step):
+    """The lazy layer (tensors from load_state_dict, no forward yet) that a user still holds
+    is neither finished nor unhooked by the conversion: the same class, attributes, hooks
+    and values after it; run later, it is still a working lazy layer that its own first
+    forward finishes, and the converted layer is not disturbed. The conversion removed its
+    shape-inference hooks and gave it its BatchNorm2d class ('BatchNorm2d' is not
+    'LazyBatchNorm2d')."""
+    model = _seeded(_stem()).eval()
+    lazy = _stem()
+    lazy[1] = nn.LazyBatchNorm2d()
+    lazy.load_state_dict(model.state_dict())
+    lazy.eval()
+    bn = lazy[1]
+    seen = []
+    if step == "convert":  # a hook of the user's that moves (a fused layer takes none)
+        bn.register_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    before = _layer_as_it_is(bn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if step == "convert":
+            converted = syncbn.convert_sync_batchnorm(lazy)
+        else:
+            converted = syncbn.fuse_batchnorm_act(lazy)
+    new = converted[1]
+    assert type(new) is (syncbn.SyncBatchNorm if step == "convert" else syncbn.SyncBatchNormAct)
+    _assert_as_it_was(bn, before)
+    x = _image(0)
+    with torch.no_grad():
+        expected = model[1](model[0](x))
+        torch.testing.assert_close(bn(model[0](x)), expected, rtol=0, atol=0)  # its first forward
+        assert type(bn) is nn.BatchNorm2d and "_initialize_hook" not in vars(bn)  # torch's doing
+        assert type(new) is not nn.BatchNorm2d and len(new._forward_pre_hooks) == 0
+        torch.testing.assert_close(converted(x), model(x), rtol=0, atol=1e-6)
+    assert seen == (["BatchNorm2d", "SyncBatchNorm"] if step == "convert" else [])
+    back = syncbn.revert_sync_batchnorm(converted)
+    assert type(back[1]) is nn.BatchNorm2d
+
+
+@pytest.mark.parametrize("kind", ["pre_kwargs", "load_pre"])
+def test_a_lazy_batch_norm_whose_own_hooks_share_a_dictionary_with_others_stays_local_until_run(kind):
+    """A forward-pre or load_state_dict-pre hook lands in the dictionary that holds the lazy
+    layer's own shape-inference hook. The converted layer would need that same dictionary
+    (the hook's handle holds it) without the lazy hook in it, which only changing the user's
+    layer gives: it stays local, with the fix, until one forward has run (torch then
+    removes its own hooks). It was converted by taking them out of the user's layer."""
+    lazy = nn.Sequential(nn.LazyBatchNorm2d())
+    lazy.load_state_dict(_lazy_source(2).state_dict())
+    bn = lazy[0]
+    seen = []
+    handle = _HOOK_KINDS[kind](bn, lambda m, *args: seen.append(type(m).__name__))
+    before = _layer_as_it_is(bn)
+    fix = r"0: its forward_pre_hooks|0: its load_state_dict_pre_hooks"
+    with pytest.raises(ValueError, match=fix):
+        syncbn.convert_sync_batchnorm(lazy, strict=True)
+    with pytest.warns(UserWarning, match=r"left 1 of 1 .*run one forward before converting"):
+        assert syncbn.convert_sync_batchnorm(lazy)[0] is bn
+    _assert_as_it_was(bn, before)
+    x = torch.randn(4, 3, 2, 2)
+    lazy(x)  # the fix
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = syncbn.convert_sync_batchnorm(lazy)
+    assert type(model[0]) is syncbn.SyncBatchNorm
+    seen.clear()
+    model(x)
+    model.load_state_dict(model.state_dict())
+    assert seen == ["SyncBatchNorm"]
+    handle.remove()
+    model(x)
+    model.load_state_dict(model.state_dict())
+    assert seen == ["SyncBatchNorm"]
 
 
 class _FrozenLazy(nn.LazyBatchNorm2d):
@@ -771,42 +865,54 @@ def test_buffers_set_to_none_stay_none_through_convert_and_revert(cleared):
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
 
 
-def _state_dict_hooks(bn, post, load_pre):
-    """Register ``post`` as a state_dict post-hook and ``load_pre`` as a load_state_dict
-    pre-hook of ``bn`` (each called with the module first); the handles. torch 2.4 has
-    neither public method: there their private predecessors fill the same dicts with the
-    same calls."""
+def _state_dict_hook(bn, post):
+    """Register ``post`` as a state_dict post-hook of ``bn`` (called with the module
+    first); the handle. torch 2.4 has no public method: there its private predecessor
+    fills the same dict with the same calls."""
     if hasattr(bn, "register_state_dict_post_hook"):
-        return bn.register_state_dict_post_hook(post), bn.register_load_state_dict_pre_hook(load_pre)
-    return bn._register_state_dict_hook(post), bn._register_load_state_dict_pre_hook(load_pre, with_module=True)
+        return bn.register_state_dict_post_hook(post)
+    return bn._register_state_dict_hook(post)
 
 
-def check_hooks_and_attributes_move(model, find, layer_types, make_input):
+def _load_state_dict_pre_hook(bn, load_pre):
+    """Register ``load_pre`` as a load_state_dict pre-hook of ``bn`` (called with the module
+    first); the handle (torch 2.4: as :func:`_state_dict_hook`)."""
+    if hasattr(bn, "register_state_dict_post_hook"):
+        return bn.register_load_state_dict_pre_hook(load_pre)
+    return bn._register_load_state_dict_pre_hook(load_pre, with_module=True)
+
+
+# the hooks check_hooks_and_attributes_move puts on a layer, in the order they fire
+_HOOK_KINDS = {
+    "pre_kwargs": lambda bn, hook: bn.register_forward_pre_hook(hook, with_kwargs=True),
+    "forward": lambda bn, hook: bn.register_forward_hook(hook),
+    "backward": lambda bn, hook: bn.register_full_backward_hook(hook),
+    "state_dict": _state_dict_hook,
+    "load_pre": _load_state_dict_pre_hook,
+    "load_post": lambda bn, hook: bn.register_load_state_dict_post_hook(hook),
+}
+
+
+def check_hooks_and_attributes_move(model, find, layer_types, make_input, kinds=tuple(_HOOK_KINDS)):
     """Hook the layer ``find(model)`` (forward, forward-pre with kwargs, full backward,
-    state_dict and load_state_dict hooks), set an attribute and a child module on it, then
-    convert and revert: at each step the layer (of ``layer_types[i]``) is replaced, nothing
-    is left local, each hook fires once on the new layer, the attribute and the
-    state_dict keys stay, and an optimizer built before keeps training the same
-    parameters. The handles still remove the hooks at the end."""
+    state_dict and load_state_dict hooks: those of ``kinds``), set an attribute and a child
+    module on it, then convert and revert: at each step the layer (of ``layer_types[i]``)
+    is replaced, nothing is left local, each hook fires once on the new layer, the
+    attribute and the state_dict keys stay, and an optimizer built before keeps training
+    the same parameters. The handles still remove the hooks at the end."""
     bn = find(model)
     seen = []
 
     def note(kind):
         return lambda m, *args: seen.append((kind, type(m).__name__))
 
-    handles = [
-        bn.register_forward_hook(note("forward")),
-        bn.register_forward_pre_hook(note("pre_kwargs"), with_kwargs=True),
-        bn.register_full_backward_hook(note("backward")),
-        *_state_dict_hooks(bn, note("state_dict"), note("load_pre")),
-        bn.register_load_state_dict_post_hook(note("load_post")),
-    ]
+    handles = [_HOOK_KINDS[kind](bn, note(kind)) for kind in kinds]
     bn.freeze_at_epoch = 3
     bn.observer = nn.Linear(1, 1)  # holds state: it shows in the state_dict
     keys = list(model.state_dict())
     del bn  # the replaced layer goes: a hook torch holds with a weak reference to it still runs
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    expected = ["pre_kwargs", "forward", "backward", "state_dict", "load_pre", "load_post"]
+    expected = [kind for kind in _HOOK_KINDS if kind in kinds]
     for step, layer_type in zip((syncbn.convert_sync_batchnorm, syncbn.revert_sync_batchnorm), layer_types):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing left local

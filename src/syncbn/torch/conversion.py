@@ -82,7 +82,7 @@ def _overridden(cls: type, bases: tuple) -> list:
     for c in cls.__mro__:
         if c in bases or c is _BatchNorm:
             break
-        if c in (_LazyNormBase, LazyModuleMixin):  # a lazy layer's shape inference (see _finish_lazy)
+        if c in (_LazyNormBase, LazyModuleMixin):  # a lazy layer's shape inference (see _become)
             continue
         for name, value in vars(c).items():
             if name not in _HARMLESS_METHODS and name not in found and hasattr(_BatchNorm, name) and (
@@ -112,25 +112,50 @@ def _lazy_unfinished(m: nn.Module) -> bool:
 _LAZY_FIX = "an uninitialized lazy module: run one forward or load a state_dict holding its tensors first"
 
 
-def _finish_lazy(m: nn.Module) -> None:
-    """Do to a lazy batch norm whose tensors are all materialized (``load_state_dict`` gives
-    them their shapes) what its first forward would do, as ``LazyModuleMixin._infer_parameters``
-    does it: remove the two hooks that infer and load its shape (they run this layer's own
-    code, so they must not move with its other hooks) and give it the class it becomes
-    (``BatchNorm2d`` for ``LazyBatchNorm2d``). Nothing else changes: the layer computes what
-    it computed."""
-    if not isinstance(m, _LazyNormBase) or "_initialize_hook" not in m.__dict__:
-        return
-    m._initialize_hook.remove()
-    m._load_hook.remove()
-    del m._initialize_hook, m._load_hook
-    if m.cls_to_become is not None:
-        m.__class__ = m.cls_to_become
+def _become(m: nn.Module) -> type:
+    """The class ``m`` is taken for: for a lazy batch norm whose tensors are all materialized
+    (``load_state_dict`` gives them their shapes), the class its first forward gives it
+    (``cls_to_become``: ``BatchNorm2d`` for ``LazyBatchNorm2d``), else its own. The layer
+    itself is left as it is: the user may hold it, and it stays a working lazy layer that
+    its own first forward finishes (``LazyModuleMixin._infer_parameters``)."""
+    become = getattr(m, "cls_to_become", None) if isinstance(m, _LazyNormBase) else None
+    return become if isinstance(become, type) else type(m)
+
+
+# the instance attributes holding a lazy layer's handles to its own shape-inference hooks
+_LAZY_HANDLES = ("_initialize_hook", "_load_hook")
 
 
 def _lazy_hook_ids(m: nn.Module) -> set:
-    """The handle ids of a lazy layer's own shape-inference hooks (see :func:`_finish_lazy`)."""
-    return {h.id for h in (m.__dict__.get("_initialize_hook"), m.__dict__.get("_load_hook")) if h is not None}
+    """The handle ids of a lazy layer's own shape-inference hooks, until its first forward
+    removes them: they run this layer's own code, so they never move to its replacement
+    (a SyncBatchNorm would fail in them), and the hook dictionaries holding them stay with it."""
+    if not isinstance(m, LazyModuleMixin):
+        return set()
+    return {h.id for h in (m.__dict__.get(name) for name in _LAZY_HANDLES) if h is not None}
+
+
+def _lazy_hooks_shared(m: nn.Module) -> list:
+    """The hook dictionaries of a lazy layer not yet run that hold other hooks beside its own
+    shape-inference ones. Those cannot move: the converted layer would need the same
+    dictionaries (their handles hold them) without the lazy layer's own hooks in them, and
+    taking those out would change the user's layer behind their back."""
+    lazy = _lazy_hook_ids(m)
+    if not lazy:
+        return []
+    return _hook_kinds(name for name in _HOOK_STATE if isinstance(hooks := m.__dict__.get(name), dict)
+                       and lazy & set(hooks) and set(hooks) - lazy)
+
+
+def _hook_kinds(names) -> list:
+    """The kinds of hooks (``forward_pre_hooks``, ...) the hook-state names ``names`` keep,
+    in order, each once (``_forward_hooks_with_kwargs`` keeps forward hooks too)."""
+    found = []
+    for name in names:
+        kind = name.strip("_").replace("_with_kwargs", "").replace("_always_called", "")
+        if kind not in found:
+            found.append(kind)
+    return found
 
 
 def _channels(bn: nn.Module) -> int:
@@ -208,19 +233,24 @@ def _carry(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: b
     ``dst`` lacks; with ``hooks``, ``src``'s module hooks: the same hook dictionaries, so
     the handles that registered them still remove them. The one way every conversion
     carries these (a plain layer's, and after a registered conversion, see
-    :func:`_carry_registered`)."""
+    :func:`_carry_registered`). A lazy layer's own shape-inference hooks and their handles
+    stay with it (see :func:`_lazy_hook_ids`)."""
     if attributes:  # and child modules (an observer a hook calls), as torch's converter keeps them
         for name, child in src._modules.items():
             dst._modules.setdefault(name, child)
         standard = _own_attribute_names()
+        lazy_handles = _LAZY_HANDLES if isinstance(src, LazyModuleMixin) else ()
         for name, value in src.__dict__.items():
-            if name not in standard and name not in dst.__dict__ and _carried(name):
+            if name not in standard and name not in dst.__dict__ and _carried(name) and name not in lazy_handles:
                 dst.__dict__[name] = value
     if hooks:
+        lazy = _lazy_hook_ids(src)
         for name in _HOOK_STATE:
             moved, own = src.__dict__.get(name), dst.__dict__.get(name)
             if moved is None or moved is own or (isinstance(moved, dict) and not moved):
                 continue  # nothing to move: ``dst`` keeps its own
+            if isinstance(moved, dict) and lazy & set(moved):
+                continue  # a lazy layer's own hooks, and no others (see _lazy_hooks_shared)
             if isinstance(moved, dict) and isinstance(own, dict) and own and own is not moved:
                 # hooks a registered conversion put on its new layer itself: they join the
                 # moved ones, after them (the user's handles hold the moved dictionaries;
@@ -256,7 +286,6 @@ def _synchronized(cls, bn: nn.Module, process_group, *, carry: dict | None = Non
     layer remembers the plain torch class ``bn`` came from, for the revert. ``carry``:
     the keyword arguments of :func:`_move_state` (what else moves over).
     """
-    _finish_lazy(bn)
     group = process_group
     if group is None and isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)):
         group = bn.process_group
@@ -272,7 +301,7 @@ def _synchronized(cls, bn: nn.Module, process_group, *, carry: dict | None = Non
         **kwargs,
     )
     new = _move_state(bn, new, **(carry or {}))
-    new._syncbn_origin = getattr(bn, "_syncbn_origin", type(bn))
+    new._syncbn_origin = getattr(bn, "_syncbn_origin", _become(bn))
     return new
 
 
@@ -380,6 +409,10 @@ def _classify(m: nn.Module, name: str = ""):
     # and attributes (_carry_registered), but not pruning or parametrizations: those stay
     # local too, as on a plain layer
     why = _why_not_movable(m, extra_tensors=not registered, hooks=False)
+    if why is None and _lazy_hooks_shared(m):
+        why = (f"its {', '.join(_lazy_hooks_shared(m))} hold other hooks beside its own shape-inference ones, "
+               "which cannot move without them: run one forward before converting (torch then finishes the "
+               "lazy layer), or register these hooks on the converted layer")
     if why is not None:
         return f"{name or type(m).__name__}: {why}"
     return "registered" if registered else "plain"
@@ -399,12 +432,16 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
 
     A layer's module hooks, instance attributes and child modules move to its replacement
     (the same hook dictionaries: their handles still remove them), a registered class's
-    too.
+    too. A lazy layer materialized by ``load_state_dict`` converts as the class its first
+    forward makes of it; the lazy layer itself is left as it is (its class, and its own
+    shape-inference hooks, which stay with it): run, it is still a working lazy layer.
 
     A BatchNorm layer that cannot be converted (a subclass overriding ``forward`` or
     another of torch's batch-norm methods, such as ``train``, with no registered
     conversion, a lazy module not yet materialized (by one forward or by
-    ``load_state_dict``: then it converts), a layer whose behaviour lives outside its
+    ``load_state_dict``: then it converts) or not yet run and holding forward-pre or
+    load_state_dict-pre hooks beside its own (they share one dictionary, which cannot
+    move without them: run one forward first), a layer whose behaviour lives outside its
     parameters and buffers: a pruned or parametrized weight; a batch norm inside
     TorchScript code, ``torch.jit.script`` or ``trace``) stays local: a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
@@ -783,7 +820,7 @@ def _why_not_movable(m: nn.Module, extra_tensors: bool = True, hooks: bool = Tru
         return "it is parametrized (torch.nn.utils.parametrize)"
     if any(isinstance(h, prune.BasePruningMethod) for h in m._forward_pre_hooks.values()):
         return "it is pruned (torch.nn.utils.prune)"
-    lazy = _lazy_hook_ids(m)  # a lazy layer's own: they go, not move (see _finish_lazy)
+    lazy = _lazy_hook_ids(m)  # a lazy layer's own: they stay with it, not move (see _lazy_hook_ids)
     found = [name.strip("_") for name in _HOOK_DICTS if set(getattr(m, name, None) or ()) - lazy] if hooks else []
     if found:
         return f"it has hooks ({', '.join(found)})"
