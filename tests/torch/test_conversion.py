@@ -971,7 +971,8 @@ def test_hooks_on_a_layer_of_a_registered_class_move_as_on_a_plain_one():
 def test_a_registered_conversion_that_wraps_or_hooks_its_layer_keeps_every_hook_once():
     """A ``to_sync`` returning a module that holds the old layer leaves that layer's hooks
     where they are (moved to the wrapper too, they ran twice); hooks ``to_sync`` put on
-    its new layer run after the moved ones, whose handles still remove them."""
+    its new layer (here of another kind than the user's) run beside the moved ones, and
+    both the user's handles and ``to_sync``'s still remove theirs."""
     from syncbn.torch.conversion import _CONVERSIONS
 
     class Wrapper(nn.Module):
@@ -983,10 +984,11 @@ def test_a_registered_conversion_that_wraps_or_hooks_its_layer_keeps_every_hook_
             return self.inner(x)
 
     seen = []
+    handles = []
 
     def hooked(layer, group):
         new = SyncBatchNormRelu(layer.num_features, process_group=group)
-        new.register_forward_hook(lambda m, args, out: seen.append("to_sync's"))
+        handles.append(new.register_forward_hook(lambda m, args, out: seen.append("to_sync's")))
         return new
 
     for to_sync, expected in ((lambda layer, group: Wrapper(layer), ["user's"]),
@@ -994,17 +996,68 @@ def test_a_registered_conversion_that_wraps_or_hooks_its_layer_keeps_every_hook_
         syncbn.register_conversion(BatchNormAct, to_sync, lambda layer: layer)
         try:
             model = nn.Sequential(BatchNormAct(3))
-            handle = model[0].register_forward_hook(lambda m, args, out: seen.append("user's"))
-            model = syncbn.convert_sync_batchnorm(model)
-            seen.clear()
-            model(torch.randn(4, 3, 2, 2))
-            assert seen == expected
-            handle.remove()
-            seen.clear()
-            model(torch.randn(4, 3, 2, 2))
-            assert seen == expected[1:]
+            handles[:] = [model[0].register_forward_pre_hook(lambda m, args: seen.append("user's"))]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                model = syncbn.convert_sync_batchnorm(model)
+            for left in (expected, expected[1:], []):
+                seen.clear()
+                model(torch.randn(4, 3, 2, 2))
+                assert seen == left
+                if handles:
+                    handles.pop(0).remove()
         finally:
             del _CONVERSIONS[BatchNormAct]
+
+
+def test_a_registered_conversion_hooking_its_layer_as_the_user_did_leaves_the_layer_as_it_is():
+    """Hooks of one kind on the old layer (the user's) and on the layer ``to_sync`` or
+    ``to_plain`` made (its own) need one dictionary on the new layer, and a handle removes
+    its hook from the dictionary it was registered in: one set of handles would stop
+    working. The layer stays as it is, named with the fix (strict=True refuses before any
+    change). The user's dictionary took in to_sync's hooks, and to_sync's handle no longer
+    removed its hook."""
+    from syncbn.torch.conversion import _CONVERSIONS, _move_state
+
+    seen = []
+
+    def hooking(make):  # a to_sync or to_plain that hooks the layer it makes
+        def convert(layer, *group):
+            new = make(layer.num_features)
+            new.register_forward_hook(lambda m, args, out: seen.append("conversion's"))
+            return _move_state(layer, new)
+        return convert
+
+    fix = "remove these hooks before and register them on the new layer after"
+    syncbn.register_conversion(BatchNormAct, hooking(SyncBatchNormRelu), lambda layer: layer)
+    try:
+        model = nn.Sequential(BatchNormAct(3))
+        old = model[0]
+        handle = old.register_forward_hook(lambda m, args, out: seen.append("user's"))
+        before = _layer_as_it_is(old)
+        with pytest.raises(ValueError, match=r"left 1 of 1 .*0: its forward_hooks cannot move to the layer to_sync"):
+            syncbn.convert_sync_batchnorm(model, strict=True)
+        with pytest.warns(UserWarning, match=fix):
+            assert syncbn.convert_sync_batchnorm(model)[0] is old
+        _assert_as_it_was(old, before)
+        seen.clear()
+        model(torch.randn(4, 3, 2, 2))
+        assert seen == ["user's"]
+        handle.remove()  # the fix
+        model = syncbn.convert_sync_batchnorm(model, strict=True)
+        assert type(model[0]) is SyncBatchNormRelu
+    finally:
+        del _CONVERSIONS[BatchNormAct]
+    synced = model[0]
+    synced.register_forward_hook(lambda m, args, out: seen.append("user's"))
+    syncbn.register_conversion(BatchNormAct, hooking(SyncBatchNormRelu), hooking(BatchNormAct))
+    try:
+        before = _layer_as_it_is(synced)
+        with pytest.warns(UserWarning, match=r"left these layers as they are: 0 \(its forward_hooks .*to_plain"):
+            assert syncbn.revert_sync_batchnorm(model)[0] is synced
+        _assert_as_it_was(synced, before)
+    finally:
+        del _CONVERSIONS[BatchNormAct]
 
 
 def test_a_hooked_sync_batchnorm_act_is_left_as_it_is_by_revert():

@@ -233,8 +233,12 @@ def _carry(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: b
     ``dst`` lacks; with ``hooks``, ``src``'s module hooks: the same hook dictionaries, so
     the handles that registered them still remove them. The one way every conversion
     carries these (a plain layer's, and after a registered conversion, see
-    :func:`_carry_registered`). A lazy layer's own shape-inference hooks and their handles
-    stay with it (see :func:`_lazy_hook_ids`)."""
+    :func:`_carry_registered`). ``src`` itself is not changed: a lazy layer's own
+    shape-inference hooks and their handles stay with it (see :func:`_lazy_hook_ids`).
+
+    A hook dictionary that ``dst`` already fills itself (hooks a registered conversion put
+    on its new layer) is never merged with ``src``'s: one of the two sets of handles would
+    stop removing its hooks (:func:`_hooks_clash` keeps such layers as they are)."""
     if attributes:  # and child modules (an observer a hook calls), as torch's converter keeps them
         for name, child in src._modules.items():
             dst._modules.setdefault(name, child)
@@ -244,6 +248,10 @@ def _carry(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: b
             if name not in standard and name not in dst.__dict__ and _carried(name) and name not in lazy_handles:
                 dst.__dict__[name] = value
     if hooks:
+        clash = _hooks_clash(src, dst)
+        if clash:  # the callers leave such a layer as it is before getting here
+            raise RuntimeError(f"syncbn: cannot carry the {', '.join(clash)} of {type(src).__name__} to "
+                               f"{type(dst).__name__}, which holds its own")
         lazy = _lazy_hook_ids(src)
         for name in _HOOK_STATE:
             moved, own = src.__dict__.get(name), dst.__dict__.get(name)
@@ -251,11 +259,6 @@ def _carry(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: b
                 continue  # nothing to move: ``dst`` keeps its own
             if isinstance(moved, dict) and lazy & set(moved):
                 continue  # a lazy layer's own hooks, and no others (see _lazy_hooks_shared)
-            if isinstance(moved, dict) and isinstance(own, dict) and own and own is not moved:
-                # hooks a registered conversion put on its new layer itself: they join the
-                # moved ones, after them (the user's handles hold the moved dictionaries;
-                # the handles that conversion got back no longer remove its own)
-                moved.update((key, value) for key, value in own.items() if key not in moved)
             dst.__dict__[name] = moved
         # torch holds a load_state_dict pre-hook with a weak reference to its module, which
         # it passes to the hook: make that ``dst`` (``src`` is about to go, and a dead
@@ -267,6 +270,39 @@ def _carry(src: nn.Module, dst: nn.Module, *, attributes: bool = False, hooks: b
     return dst
 
 
+def _hooks_clash(src: nn.Module, new: nn.Module) -> list:
+    """The kinds of module hooks that both ``src`` and ``new`` hold, each in its own
+    dictionary (a registered conversion's ``to_sync`` or ``to_plain`` hooked the layer it
+    made): moving ``src``'s to ``new`` cannot keep both sets of handles working. A handle
+    removes its hook from the dictionary it was registered in; merged into one, the other
+    set's handles would no longer remove theirs, silently. Empty when nothing clashes, or
+    when nothing moves (:func:`_carries`)."""
+    if not _carries(src, new):
+        return []
+    lazy = _lazy_hook_ids(src)  # the dictionaries holding a lazy layer's own hooks do not move
+    return _hook_kinds(
+        name for name in _HOOK_STATE
+        if isinstance(moved := src.__dict__.get(name), dict) and isinstance(own := new.__dict__.get(name), dict)
+        and moved and own and moved is not own and not lazy & set(moved)
+    )
+
+
+def _clash_reason(src: nn.Module, new: nn.Module, step: str) -> str | None:
+    """Why the layer ``src``, which a registered conversion's ``step`` made ``new`` of,
+    stays as it is (see :func:`_hooks_clash`), or None."""
+    clash = _hooks_clash(src, new)
+    if not clash:
+        return None
+    return (f"its {', '.join(clash)} cannot move to the layer {step} makes, which it hooks itself (the handles of "
+            "one set would no longer remove their hooks): remove these hooks before and register them on the "
+            "new layer after")
+
+
+def _carries(src: nn.Module, new: nn.Module) -> bool:
+    """Whether :func:`_carry_registered` carries ``src``'s hooks and attributes to ``new``."""
+    return not any(m is src for m in new.modules()) and not any(m is new for m in src.modules())
+
+
 def _carry_registered(src: nn.Module, new: nn.Module) -> nn.Module:
     """After a registered conversion (``to_sync`` or ``to_plain``) made ``new`` of ``src``:
     carry what the conversion of a plain layer carries (:func:`_carry`), which that
@@ -274,7 +310,7 @@ def _carry_registered(src: nn.Module, new: nn.Module) -> nn.Module:
     keys) is what lets the hooks move. Nothing when ``new`` is ``src`` or holds it (a
     wrapper: ``src`` stays in the model with its hooks, which would run twice), or when
     ``src`` holds ``new`` (unwrapped: ``new`` would become its own child)."""
-    if not any(m is src for m in new.modules()) and not any(m is new for m in src.modules()):
+    if _carries(src, new):
         _carry(src, new, attributes=True, hooks=True)
     return new
 
@@ -346,7 +382,11 @@ def register_conversion(
     After each call the converter moves the old layer's module hooks, instance attributes
     and child modules to the new one, as for a plain batch norm (not when one holds the
     other: a wrapper keeps the old layer, hooks and all); hooks that ``to_sync`` or
-    ``to_plain`` put on its new layer itself run after the moved ones.
+    ``to_plain`` put on its new layer itself stay there, with their handles working. Where
+    both layers hold hooks of one kind (a forward hook on each, say), no new layer can
+    keep both sets of handles working (a handle removes its hook from the dictionary it
+    was registered in): the old layer stays as it is (convert: local, with the warning, or
+    ``strict=True``'s error, which ``to_sync`` is called before; revert: with its warning).
 
     Only layers whose type is exactly ``cls`` are matched: a subclass may change what
     the layer computes, so it needs its own registration. Registering a class again
@@ -450,9 +490,16 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     """
     _register_known()
     decisions = {}
+    made = {}  # what the registered conversions made, by the id of the layer they made it of
     total = 0
     for name, m in module.named_modules():
         kind = _classify(m, name)
+        if kind == "registered":  # made now, so that strict=True can refuse a clash before any change
+            made[id(m)] = _CONVERSIONS[type(m)][0](m, process_group)
+            why = _clash_reason(m, made[id(m)], "to_sync")
+            if why is not None:
+                kind = f"{name or type(m).__name__}: {why}"
+                del made[id(m)]
         if kind is not None:
             decisions[id(m)] = kind
             total += 1
@@ -478,7 +525,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
         if kind == "plain":
             return _synchronized(SyncBatchNorm, m, process_group, carry={"attributes": True, "hooks": True})
         if kind == "registered":
-            new = _carry_registered(m, _CONVERSIONS[type(m)][0](m, process_group))
+            new = _carry_registered(m, made[id(m)])
             if new is not m and "_syncbn_origin" not in new.__dict__:
                 new._syncbn_origin = type(m)
             return new
@@ -540,7 +587,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
         conversion = _registered(m.__dict__.get("_syncbn_origin"))
         if conversion is not None:
-            return _carry_registered(m, conversion[1](m))
+            new = conversion[1](m)
+            why = _clash_reason(m, new, "to_plain")
+            if why is not None:
+                skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
+                restored.discard(id(m))
+                return m
+            return _carry_registered(m, new)
         if isinstance(m, SyncBatchNormAct):
             bn = _plain_batchnorm(m)
             if id(m) in restored:  # its activation comes back in its own place
