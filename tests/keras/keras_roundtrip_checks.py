@@ -1115,5 +1115,171 @@ def convert_warns_of_attributes_outside_the_config():
     return {}
 
 
+
+def restructured_classes():
+    """Custom layers whose copy from their config has other sub-layers than they: ``Block``
+    (an adapted Normalization, a Dense and a BatchNormalization) makes a Dropout when its
+    ``rate`` is not 0 but its get_config() leaves ``rate`` out; ``Normed`` makes a
+    LayerNormalization or a GroupNormalization (variables of the same shapes) by ``kind``,
+    which its get_config() leaves out; ``Gated`` makes its ``gate`` Dense in the call that
+    builds it, only when that call trains; ``Net``, a subclassed model, has its ``head``
+    assigned again before it is built."""
+    import keras
+
+    layers = keras.layers
+    register = keras.saving.register_keras_serializable(package="syncbn_restructured")
+
+    @register
+    class Block(layers.Layer):
+        def __init__(self, units=4, rate=0.0, **kwargs):
+            super().__init__(**kwargs)
+            self.units, self.rate = units, rate
+            self.norm = layers.Normalization()
+            self.dense = layers.Dense(units)
+            if rate:
+                self.drop = layers.Dropout(rate)
+            self.bn = layers.BatchNormalization()
+
+        def build(self, shape):
+            self.norm.build(shape)
+            self.dense.build(shape)
+            self.bn.build(tuple(shape[:-1]) + (self.units,))
+
+        def call(self, x, training=None):
+            h = self.dense(self.norm(x))
+            if self.rate:
+                h = self.drop(h, training=training)
+            return self.bn(h, training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "units": self.units}  # ``rate`` forgotten
+
+    @register
+    class Normed(layers.Layer):
+        def __init__(self, kind="group", **kwargs):
+            super().__init__(**kwargs)
+            self.kind = kind
+            self.norm = layers.LayerNormalization() if kind == "layer" else layers.GroupNormalization(groups=2)
+
+        def build(self, shape):
+            self.norm.build(shape)
+
+        def call(self, x):
+            return self.norm(x)
+
+        def get_config(self):
+            return super().get_config()  # ``kind`` forgotten
+
+    @register
+    class Gated(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.gate = None
+            self.bn = layers.BatchNormalization()
+
+        def call(self, x, training=None):
+            if training and self.gate is None:
+                self.gate = layers.Dense(x.shape[-1])
+            h = self.bn(x, training=training)
+            return h if self.gate is None else h * self.gate(x)
+
+    @register
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.body = layers.Dense(3)
+            self.bn = layers.BatchNormalization()
+            self.head = layers.Dense(2)
+
+        def call(self, x, training=None):
+            return self.head(self.bn(self.body(x), training=training))
+
+    return Block, Normed, Gated, Net
+
+
+@check
+def convert_pairs_sub_layers_where_the_copy_differs():
+    """A layer whose copy from its config has other sub-layers than it (a constructor
+    argument missing from get_config(), a sub-layer made by a training call or assigned
+    again before building): its copy gets the state of every sub-layer it has alike,
+    paired by where it is held, and a warning names each stateless sub-layer that differs;
+    where state would be lost (a sub-layer holding variables without a counterpart of its
+    class and shapes) ``convert`` raises, naming it and the fix. The copy was given
+    ``set_weights`` alone there, without a word: an adapted Normalization's mean and
+    variance went back to 0 and 1 (outputs off by about 3 here), a LayerNormalization's
+    weights went into a GroupNormalization, and the other cases raised Keras's errors
+    naming weight counts or shapes."""
+    import warnings
+
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert
+
+    Block, Normed, Gated, Net = restructured_classes()
+    rng = np.random.default_rng(44)
+    x = (rng.standard_normal((16, 3)) * 3 + 2).astype(np.float32)
+
+    def converted(model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            synced = convert(model)
+        return synced, [str(w.message) for w in caught if "syncbn.keras.convert" in str(w.message)]
+
+    def block_in_model():
+        block = Block(rate=0.5, name="block")
+        inputs = keras.Input((3,))
+        return keras.Model(inputs, block(inputs)), block
+
+    def block_alone():
+        block = Block(rate=0.5, name="block")
+        block(x)
+        return block, block
+
+    info = {}
+    for label, make in (("in a Functional model", block_in_model), ("alone", block_alone)):
+        model, block = make()
+        block.norm.adapt(x)
+        randomize(block.bn, rng)
+        synced, messages = converted(model)
+        copy = synced if synced.name == "block" else synced.get_layer("block")
+        assert type(copy.bn) is SyncBatchNormalization, (label, type(copy.bn))
+        assert not hasattr(copy, "drop"), (label, "vacuous: the copy has the Dropout")
+        assert_same_inference({"convert": synced}, model, x, f"Block {label}")
+        assert len(messages) == 2, (label, messages)
+        assert "block.rate (0.5; the copy has 0.0)" in messages[0], (label, messages)
+        assert "block/drop (Dropout; the copy has no layer)" in messages[1] and "get_config()" in messages[1], (
+            label, messages)
+        info[f"Block {label}"] = messages[1].split("otherwise in it: ")[1].split(". ")[0]
+
+    def raises(model, *needles):
+        try:
+            convert(model)
+        except ValueError as err:
+            message = str(err)
+        else:
+            raise AssertionError(f"convert copied {model.name!r} without a word")
+        for needle in needles + ("get_config()", "__init__() or build()"):
+            assert needle in message, (needle, message)
+        return message.split("made afresh: ")[1].split(". Make")[0]
+
+    normed = Normed(kind="layer", name="normed")
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(normed(inputs)))
+    randomize(normed, rng)
+    info["Normed"] = raises(model, "normed/norm (LayerNormalization; the copy has GroupNormalization), holding 2 "
+                            "variables in the original and 2 variables in the copy")
+
+    gated = Gated(name="gated")
+    gated(x, training=True)
+    assert gated.gate is not None, "vacuous: the training call made no gate"
+    info["Gated"] = raises(gated, "gated/gate (Dense; the copy has no layer), holding 2 variables in the original")
+
+    net = Net(name="net")
+    net.head = keras.layers.Dense(5)
+    net(x)
+    info["Net"] = raises(net, "net/head (Dense): variables of shapes [(3, 5), (5,)]; the copy's are [(3, 2), (2,)]")
+    return {"named": info}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)

@@ -5,6 +5,7 @@ way."""
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import warnings
 
@@ -61,7 +62,13 @@ def convert(model):
     lookup layer's vocabulary; and a stateful RNN's current states, with every model's
     ``trainable`` flag. Python attributes set after construction and absent from the
     config cannot be copied: a public one of a plain value (a number, a string) that the
-    copy has otherwise is named in a warning. Seed generators (Dropout) start afresh.
+    copy has otherwise is named in a warning. Where a layer's copy from its config has
+    other sub-layers than it (a constructor argument its ``get_config()`` leaves out
+    decides them, one was assigned again before building, or the call that built it made
+    one according to a call argument), the layers are paired by where each is held
+    (``block/drop``): those alike get their state, a differing one that holds none is named
+    in a warning, and one holding state without a counterpart raises ``ValueError``, naming
+    it. Seed generators (Dropout) start afresh.
 
     The copy is not compiled, whether or not ``model`` was: compile it (inside
     ``strategy.scope()`` when training with a ``tf.distribute`` strategy, and build or
@@ -106,6 +113,7 @@ class _Swap:
         self.skipped = []
         self.swaps = 0  # batch norm layers swapped so far, to know which owners held one
         self.differing = []  # attributes that the copy, made from configs, has otherwise
+        self.restructured = []  # stateless sub-layers that the copy has otherwise
         # id(layer) -> (layer, its copy): a layer met twice (shared by nested models, held
         # in two places) gets one copy; the layer is kept so that its id stays its own.
         self._copies = {}
@@ -147,7 +155,22 @@ class _Swap:
                 "get_config() (or set them on the copy)",
                 stacklevel=3,
             )
+        if self.restructured:
+            warnings.warn(
+                f"syncbn.keras.{self.verb}: the copy is rebuilt from each layer's config and "
+                "built for its input shapes (as a .keras file is), and these sub-layers, which "
+                "hold no state, come out otherwise in it: " + "; ".join(self.restructured) + ". "
+                "Every layer holding state was copied. Make each layer's sub-layers follow from "
+                "its get_config() (every constructor argument that decides them) and its input "
+                "shapes: create them in __init__() or build(), not according to a call argument "
+                "or by assigning them later",
+                stacklevel=3,
+            )
         return result
+
+    def _note(self, differing, restructured):
+        self.differing += differing
+        self.restructured += restructured
 
     def copy(self, model):
         """A copy of ``model`` (a layer or a model) with every ``source`` layer swapped."""
@@ -163,7 +186,7 @@ class _Swap:
             if model.built:
                 if not new.built:
                     _build_like(new, model, self.verb)
-                self.differing += _copy_state(model, new)
+                self._note(*_copy_state(model, new, self.verb))
             if _is_graph_model(new):
                 self.retype_within(new, set())
             else:
@@ -199,7 +222,7 @@ class _Swap:
         seen = set()
         for old, new in copies:
             if old.built and new.built:
-                self.differing += _copy_state(old, new)
+                self._note(*_copy_state(old, new, self.verb))
             self.swap_within(new, seen)
         return new_model
 
@@ -478,44 +501,208 @@ def _copy_layer(layer, verb):
         ) from err
 
 
-def _copy_state(old, new):
+def _copy_state(old, new, verb):
     """Give ``new`` (a fresh copy of ``old`` from its config, built as ``old`` is) ``old``'s
-    state as a ``.keras`` file carries it, layer by layer: ``save_own_variables`` into the
-    copy's ``load_own_variables`` (the weights, and what a layer derives from them when it
-    loads: an adapted ``Normalization``'s mean and variance, which ``set_weights`` leaves
-    at their initial values), then ``save_assets`` into ``load_assets`` (an adapted lookup
-    layer's vocabulary, which no weight holds). A stateful RNN's current states, which
-    neither a file nor ``clone_model`` keeps, are copied too. Last, every variable is
-    copied exactly, as ``set_weights`` copies them (all that is done where the two layer
-    trees differ): a saved value is not always the one held (LoRA adapters).
+    state as a ``.keras`` file carries it, layer by layer (:func:`_copy_own_state`: the
+    weights and what a layer derives from them when it loads, an adapted lookup layer's
+    vocabulary, a stateful RNN's current states), then every variable exactly, as
+    ``set_weights`` copies them: a saved value is not always the one held (LoRA adapters).
 
-    Returns ``layer.attribute`` for each public attribute of a plain value (a number, a
-    string, a bool, None) that the copy has otherwise than ``old``: set after
-    construction and absent from the config, no copy can know it."""
+    The layers of the two trees are paired by position where the trees have the same
+    layer classes in the same order (the common case). Where they differ (a sub-layer that
+    a constructor argument missing from ``get_config()`` decides, one assigned after
+    construction, one that the building call made according to a call argument), they are
+    paired by where each is held (``block/towers/0/dense``, as a ``.keras`` file pairs
+    them): every pair gets the state as above, and a layer without a counterpart of its
+    class that holds no state is named in the second list returned. One that holds state
+    (variables, assets, a stateful RNN's states), in either tree, or a pair whose variables
+    differ in shape, raises ``ValueError`` naming them, as their state would be lost or
+    made afresh.
+
+    Returns ``(differing, restructured)``: ``layer.attribute`` for each public attribute
+    of a plain value (a number, a string, a bool, None) that the copy has otherwise than
+    ``old``, set after construction and absent from the config, that no copy can know; and
+    ``path (class; the copy has class)`` for each stateless sub-layer without a
+    counterpart."""
     olds = list(old._flatten_layers(include_self=True, recursive=True))
     news = list(new._flatten_layers(include_self=True, recursive=True))
-    if len(olds) != len(news) or any(type(a) is not type(b) for a, b in zip(olds, news)):
+    if len(olds) == len(news) and all(_same_kind(a, b) for a, b in zip(olds, news)):
+        differing = []
+        for a, b in zip(olds, news):
+            differing += _copy_own_state(a, b)
+        # and then every variable as it is: a file's values are what a layer exports, not
+        # always what it holds (a LoRA-enabled Dense or Embedding saves its kernel with the
+        # adapter merged in and zeroes both adapter factors when it loads, which no gradient
+        # then moves); what a layer derived when it loaded is derived from these same values
         new.set_weights(old.get_weights())
-        return []
+        return differing, []
+
+    pairs, unpaired = _pair_by_path(old, new, olds, news)
+    lost, restructured = [], []
+    for path, a, b in unpaired:
+        where = (f"{path} ({type(a).__name__ if a is not None else 'no layer'}; the copy has "
+                 f"{type(b).__name__ if b is not None else 'no layer'})")
+        held = [f"{state} in the {'original' if layer is a else 'copy'}"
+                for layer in (a, b) if layer is not None for state in [_state_held(layer)] if state]
+        if held:
+            lost.append(f"{where}, holding " + " and ".join(held))
+        else:
+            restructured.append(where)
+    for path, a, b in pairs:
+        shapes_a = [tuple(v.shape) for v in _own_variables(a)]
+        shapes_b = [tuple(v.shape) for v in _own_variables(b)]
+        if shapes_a != shapes_b:
+            lost.append(f"{path} ({type(a).__name__}): variables of shapes {shapes_a}; the copy's are {shapes_b}")
+    if lost:
+        raise ValueError(
+            f"{verb}: cannot copy the state of {old.name!r} ({type(old).__name__}): its copy, "
+            "rebuilt from its config and built for the original's input shapes (as a .keras file "
+            "rebuilds it), has other sub-layers than it, and the state of these would be lost or "
+            "made afresh: " + "; ".join(lost) + ". Make its sub-layers follow from its get_config() "
+            "(every constructor argument that decides them) and its input shapes: create them in "
+            "__init__() or build(), not according to a call argument or by assigning them later"
+        )
     differing = []
-    for a, b in zip(olds, news):
-        store = {}
-        a.save_own_variables(store)
-        b.load_own_variables(store)
-        if callable(getattr(a, "save_assets", None)) and callable(getattr(b, "load_assets", None)):
-            with tempfile.TemporaryDirectory() as assets:
-                a.save_assets(assets)
-                b.load_assets(assets)
-        if isinstance(a, keras.layers.RNN) and a.stateful and a.states is not None and b.states is not None:
-            for va, vb in zip(keras.tree.flatten(a.states), keras.tree.flatten(b.states)):
-                vb.assign(va)
-        differing += _differing_attributes(a, b)
-    # and then every variable as it is: a file's values are what a layer exports, not
-    # always what it holds (a LoRA-enabled Dense or Embedding saves its kernel with the
-    # adapter merged in and zeroes both adapter factors when it loads, which no gradient
-    # then moves); what a layer derived when it loaded is derived from these same values
-    new.set_weights(old.get_weights())
-    return differing
+    for _, a, b in pairs:
+        differing += _copy_own_state(a, b)
+    for _, a, b in pairs:  # every variable as it is (see above), layer by layer
+        for va, vb in zip(_own_variables(a), _own_variables(b)):
+            vb.assign(va)
+    return differing, restructured
+
+
+def _same_kind(a, b) -> bool:
+    """Whether the layer ``b`` can take ``a``'s state as a counterpart of it: the same class,
+    or BatchNormalization and SyncBatchNormalization (which adds no state of its own), as a
+    layer whose constructor makes one holds the other after :func:`revert` or
+    :func:`convert`."""
+    kinds = {type(a), type(b)}
+    return len(kinds) == 1 or kinds == {keras.layers.BatchNormalization, SyncBatchNormalization}
+
+
+def _copy_own_state(a, b):
+    """Give the layer ``b`` the state that ``a``, a layer of its class, holds itself (not
+    its sub-layers'), as a ``.keras`` file carries it: ``save_own_variables`` into ``b``'s
+    ``load_own_variables`` (the weights, and what a layer derives from them when it loads:
+    an adapted ``Normalization``'s mean and variance, which ``set_weights`` leaves at their
+    initial values), then ``save_assets`` into ``load_assets`` (an adapted lookup layer's
+    vocabulary, which no weight holds); and a stateful RNN's current states, which neither
+    a file nor ``clone_model`` keeps. Returns :func:`_differing_attributes` of the two."""
+    store = {}
+    a.save_own_variables(store)
+    b.load_own_variables(store)
+    if callable(getattr(a, "save_assets", None)) and callable(getattr(b, "load_assets", None)):
+        with tempfile.TemporaryDirectory() as assets:
+            a.save_assets(assets)
+            b.load_assets(assets)
+    if isinstance(a, keras.layers.RNN) and a.stateful and a.states is not None and b.states is not None:
+        for va, vb in zip(keras.tree.flatten(a.states), keras.tree.flatten(b.states)):
+            vb.assign(va)
+    return _differing_attributes(a, b)
+
+
+def _own_variables(layer):
+    """The variables ``layer`` holds itself (not its sub-layers'), as ``layer.weights`` lists them."""
+    own = []
+    for v in layer._trainable_variables + layer._non_trainable_variables:
+        if not any(v is w for w in own):
+            own.append(v)
+    return own
+
+
+def _state_held(layer):
+    """What state ``layer`` holds itself, in words ("2 variables", "assets", "a stateful
+    RNN's states"), or "" for none: what a copy without a counterpart of it loses."""
+    held = []
+    store = {}
+    layer.save_own_variables(store)
+    count = max(len(_own_variables(layer)), len(store))
+    if count:
+        held.append(f"{count} variable{'s' if count != 1 else ''}")
+    if callable(getattr(layer, "save_assets", None)):
+        with tempfile.TemporaryDirectory() as assets:
+            layer.save_assets(assets)
+            if os.listdir(assets):
+                held.append("assets")
+    if isinstance(layer, keras.layers.RNN) and layer.stateful and layer.states is not None:
+        held.append("a stateful RNN's states")
+    return " and ".join(held)
+
+
+def _pair_by_path(old, new, olds, news):
+    """Pair the layers of ``old``'s tree (``olds``) with those of ``new``'s (``news``) by
+    where each is held: ``(pairs, unpaired)``, lists of ``(path, layer of old, layer of
+    new)``, the second with ``None`` for a side that holds no layer at that path or with
+    layers of different classes."""
+    found_old = _layers_by_path(old, old.name, olds)
+    found_new = _layers_by_path(new, old.name, news)
+    pairs, unpaired = [], []
+    for path in list(found_old) + [p for p in found_new if p not in found_old]:
+        a, b = found_old.get(path), found_new.get(path)
+        if a is not None and b is not None and _same_kind(a, b):
+            pairs.append((path, a, b))
+        else:
+            unpaired.append((path, a, b))
+    return pairs, unpaired
+
+
+def _layers_by_path(root, name, layers):
+    """``{path: layer}`` for each of ``layers`` (``root``'s flattened tree), at the first
+    path at which it is held, starting from ``root`` named ``name``: a layer's attribute
+    names, list and tuple indices and dict keys, and for a Sequential or Functional model
+    the index of each of its layers (``block/mlp/layers/1``). A layer of the tree that no
+    attribute reaches gets ``root/.../its name``."""
+    tree = {id(layer) for layer in layers}
+    found, seen = {}, set()
+
+    def visit(value, path):
+        if id(value) in seen:
+            return
+        if isinstance(value, keras.layers.Layer):
+            if id(value) not in tree:
+                return  # a reference to a layer outside the tree
+            seen.add(id(value))
+            while path in found:  # a dict key that reads like another path: keep both layers
+                path += "'"
+            found[path] = value
+            for key, item in _held(value):
+                visit(item, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            seen.add(id(value))
+            for i, item in enumerate(value):
+                visit(item, f"{path}/{i}")
+        elif isinstance(value, dict):
+            seen.add(id(value))
+            for key, item in value.items():
+                visit(item, f"{path}/{key}")
+
+    visit(root, name)
+    for layer in layers:
+        if id(layer) not in seen:
+            found.setdefault(f"{name}/.../{layer.name}", layer)
+    return found
+
+
+def _held(layer):
+    """``(key, value)`` for each attribute of ``layer`` that is or may hold a layer (a
+    layer, a list, tuple or dict), after a Sequential or Functional model's own layers
+    (``layers/0``, ...), public attributes before private ones (on the torch backend, those
+    that torch keeps in ``_modules`` too), TensorFlow's checkpoint dependencies last;
+    Keras's tracking lists, which hold the same layers, are skipped."""
+    if _is_graph_model(layer):
+        for i, sub in enumerate(layer.layers):
+            yield f"layers/{i}", sub
+    tracker = getattr(layer, "_tracker", None)
+    stores = [] if tracker is None else [store for _, store in tracker.config.values()]
+    attributes = vars(layer)
+    if isinstance(attributes.get("_modules"), dict):  # torch: a Module holds its sub-modules there
+        attributes = {**attributes["_modules"], **attributes}
+    # public attributes first, TensorFlow's tracking of the same layers (its checkpoint
+    # dependencies, ``_self_unconditional_...``) last
+    for key in sorted(attributes, key=lambda key: key.startswith("_") + key.startswith("_self_unconditional")):
+        value = attributes[key]
+        if isinstance(value, (keras.layers.Layer, list, tuple, dict)) and not any(value is s for s in stores):
+            yield key, value
 
 
 def _keep_torch_modes(old, new) -> None:
