@@ -1281,5 +1281,166 @@ def convert_pairs_sub_layers_where_the_copy_differs():
     return {"named": info}
 
 
+def converted_or_raised(model):
+    """``(copy, None)`` from ``convert(model)``, or ``(None, message)`` of its ValueError."""
+    from syncbn.keras import convert
+
+    try:
+        return convert(model), None
+    except ValueError as err:
+        return None, str(err)
+
+
+@check
+def convert_raises_where_a_sub_layer_is_configured_otherwise():
+    """A custom layer whose sub-layer was replaced before building by one of the same
+    class and weight shapes but other arguments (``Dense(2, activation="softmax")`` for
+    the constructor's ``Dense(2)``), or changed after construction: its copy from its
+    config has the constructor's sub-layer, which computes something else. ``convert``
+    copied it without a word (outputs off by about 1.5, the softmax gone); it raises now,
+    naming the sub-layer, the config entry and the fix, built or not, alone or in a
+    Functional model. The same layer left alone converts exactly, and so does one holding
+    an adapted IntegerLookup, whose config names its vocabulary's size only once adapted
+    (or, in the copy, once its vocabulary is loaded: compared before, it raised)."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    layers = keras.layers
+
+    @keras.saving.register_keras_serializable(package="syncbn_reconfigured")
+    class Headed(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.body = layers.Dense(3)
+            self.bn = layers.BatchNormalization()
+            self.head = layers.Dense(2)
+
+        def call(self, x, training=None):
+            return self.head(self.bn(self.body(x), training=training))
+
+    rng = np.random.default_rng(45)
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+
+    def in_model(layer):
+        inputs = keras.Input((5,))
+        return keras.Model(inputs, layer(inputs))
+
+    plain = Headed(name="headed")
+    plain(x)
+    randomize(plain.bn, rng)
+    assert_same_inference({"convert": convert(plain)}, plain, x, "Headed left alone")
+
+    @keras.saving.register_keras_serializable(package="syncbn_reconfigured")
+    class Indexed(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lookup = layers.IntegerLookup()
+            self.bn = layers.BatchNormalization()
+
+        def build(self, shape):
+            self.bn.build(shape)
+
+        def compute_output_shape(self, shape):  # the lookup cannot be traced on jax
+            return shape
+
+        def call(self, ids, training=None):
+            return self.bn(keras.ops.cast(self.lookup(ids), "float32"), training=training)
+
+    indexed = Indexed(name="indexed")
+    indexed.lookup.adapt(np.array([[5, 7, 9, 5, 5, 11]]))
+    inputs = keras.Input((3,), dtype="int32")
+    model = keras.Model(inputs, indexed(inputs))
+    randomize(indexed.bn, rng)
+    synced = convert(model)
+    ids = np.array([[5, 7, 9], [5, 11, 3]], np.int32)
+    assert_same_inference({"convert": synced, "revert(convert)": revert(synced)}, model, ids, "Indexed")
+
+    named = {}
+    for label, change in (
+            ("reassigned", lambda layer: setattr(layer, "head", layers.Dense(2, activation="softmax"))),
+            ("changed", lambda layer: setattr(layer.head, "activation", keras.activations.softmax))):
+        for where, wrap in (("alone, built", lambda layer: (layer(x), layer)[1]), ("in a model", in_model),
+                            ("alone, not built", lambda layer: layer)):
+            layer = Headed(name="headed")
+            change(layer)
+            _, message = converted_or_raised(wrap(layer))
+            assert message is not None, f"{label}, {where}: converted without a word"
+            for needle in ("headed/head (Dense): activation ('softmax'; the copy has 'linear')",
+                           "get_config()", "after construction"):
+                assert needle in message, (label, where, needle, message)
+            named[f"{label}, {where}"] = message.split("something else: ")[1].split(". Make")[0]
+    return {"named": named}
+
+
+@check
+def convert_gives_sub_layers_their_frozen_flags_and_lora():
+    """What a sub-layer was given after construction that the copy can be given exactly:
+    ``trainable=False`` on a sub-layer of a custom layer, of a MultiHeadAttention or of a
+    Functional subclass (the keras-hub ``Backbone`` pattern), or on such a subclass nested
+    in a model (``task.backbone.trainable = False``, as keras-hub's fine-tuning guides
+    freeze a backbone), and LoRA enabled on the attention's projections as keras-hub's
+    ``enable_lora`` does. The copies' frozen sub-layers were trainable again (a frozen
+    backbone's 8 weights trained in the copy, a frozen batch norm inside a custom layer
+    trained), and the LoRA one raised Keras's weight-count error. The copies have the
+    original's trainable weights, by path, and its outputs."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    Block = block_class()
+    rng = np.random.default_rng(46)
+    seq = rng.standard_normal((2, 5, 6)).astype(np.float32)
+
+    def trainable_paths(model):
+        return sorted(w.path for w in model.trainable_weights)
+
+    inputs = keras.Input((5, 6))
+    mha = keras.layers.MultiHeadAttention(2, 4, name="mha")
+    model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(mha(inputs, inputs)))
+    mha._key_dense.trainable = False
+    mha._query_dense.enable_lora(2)
+    mha._value_dense.enable_lora(2)
+    for layer in (mha._query_dense, mha._value_dense):  # adapters away from their initial zeros
+        layer.lora_kernel_b.assign(rng.standard_normal(tuple(layer.lora_kernel_b.shape)).astype(np.float32))
+    assert len(model.trainable_weights) == 10, ("vacuous", len(model.trainable_weights))
+    synced = convert(model)
+    copies = {"convert": synced, "revert(convert)": revert(synced)}
+    for label, copy in copies.items():
+        assert trainable_paths(copy) == trainable_paths(model), (label, trainable_paths(copy), trainable_paths(model))
+        for ours, theirs in zip(copy.weights, model.weights):
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs),
+                                          err_msg=f"{label}: {theirs.path}")
+    assert_same_inference(copies, model, seq, "MultiHeadAttention with a frozen and LoRA projections")
+    counts = {"mha": len(model.trainable_weights)}
+
+    block = Block(4, name="block")
+    x = rng.standard_normal((4, 4)).astype(np.float32)
+    block(x)
+    block.bn.trainable = False
+    block.dense.trainable = False
+    synced = convert(block)
+    assert type(synced.bn) is SyncBatchNormalization and synced.bn.trainable is False, synced.bn.trainable
+    for label, copy in (("convert", synced), ("revert(convert)", revert(synced))):
+        assert trainable_paths(copy) == trainable_paths(block), (label, trainable_paths(copy), trainable_paths(block))
+
+    Backbone = backbone_class()
+    features = rng.standard_normal((3, 4, 3)).astype(np.float32)
+    partly = Backbone(5, name="partly")
+    partly.get_layer("embed").trainable = False
+    partly.get_layer("embed_norm").trainable = False
+    frozen = Backbone(5, name="frozen")
+    frozen.trainable = False
+    inputs = keras.Input((4, 3))
+    task = keras.Model(inputs, keras.layers.Dense(2, name="top")(frozen(inputs)), name="task")
+    for model in (partly, task):
+        synced = convert(model)
+        for label, copy in (("convert", synced), ("revert(convert)", revert(synced))):
+            assert trainable_paths(copy) == trainable_paths(model), (model.name, label, trainable_paths(copy))
+        assert_same_inference({"convert": synced}, model, features, model.name)
+        counts[model.name] = len(model.trainable_weights)
+    return {"trainable weights": counts}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)

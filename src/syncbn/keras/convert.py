@@ -68,7 +68,11 @@ def convert(model):
     one according to a call argument), the layers are paired by where each is held
     (``block/drop``): those alike get their state, a differing one that holds none is named
     in a warning, and one holding state without a counterpart raises ``ValueError``, naming
-    it. Seed generators (Dropout) start afresh.
+    it. A sub-layer's ``trainable`` flag (a frozen backbone) and LoRA enabled on it are
+    given to its copy; one whose config differs otherwise in the copy (assigned again
+    before building with other arguments, quantized) raises ``ValueError``, naming it and
+    the entries, as the copy would compute something else. Seed generators (Dropout) start
+    afresh.
 
     The copy is not compiled, whether or not ``model`` was: compile it (inside
     ``strategy.scope()`` when training with a ``tf.distribute`` strategy, and build or
@@ -168,9 +172,18 @@ class _Swap:
             )
         return result
 
-    def _note(self, differing, restructured):
+    def _note(self, old, differing, restructured, pairs):
         self.differing += differing
         self.restructured += restructured
+
+    def _copied(self, old, new):
+        """Give ``new`` (a fresh copy of the layer ``old`` from its config) ``old``'s state
+        if ``old`` is built (:func:`_copy_state`), else check its sub-layers as that does
+        (:func:`_pair_sub_layers`)."""
+        if old.built and new.built:
+            self._note(old, *_copy_state(old, new, self.verb))
+        else:
+            self._note(old, [], [], _pair_sub_layers(old, new, self.verb)[0])
 
     def copy(self, model):
         """A copy of ``model`` (a layer or a model) with every ``source`` layer swapped."""
@@ -186,7 +199,7 @@ class _Swap:
             if model.built:
                 if not new.built:
                     _build_like(new, model, self.verb)
-                self._note(*_copy_state(model, new, self.verb))
+            self._copied(model, new)
             if _is_graph_model(new):
                 self.retype_within(new, set())
             else:
@@ -221,8 +234,7 @@ class _Swap:
         _keep_trainable_flags(model, new_model)
         seen = set()
         for old, new in copies:
-            if old.built and new.built:
-                self._note(*_copy_state(old, new, self.verb))
+            self._copied(old, new)
             self.swap_within(new, seen)
         return new_model
 
@@ -517,27 +529,16 @@ def _copy_state(old, new, verb):
     class that holds no state is named in the second list returned. One that holds state
     (variables, assets, a stateful RNN's states), in either tree, or a pair whose variables
     differ in shape, raises ``ValueError`` naming them, as their state would be lost or
-    made afresh.
+    made afresh. Each pair's copy is given what :func:`_match_sub_layers` can give it
+    exactly, and checked by :func:`_configured_otherwise` once it holds its state.
 
-    Returns ``(differing, restructured)``: ``layer.attribute`` for each public attribute
-    of a plain value (a number, a string, a bool, None) that the copy has otherwise than
-    ``old``, set after construction and absent from the config, that no copy can know; and
-    ``path (class; the copy has class)`` for each stateless sub-layer without a
-    counterpart."""
-    olds = list(old._flatten_layers(include_self=True, recursive=True))
-    news = list(new._flatten_layers(include_self=True, recursive=True))
-    if len(olds) == len(news) and all(_same_kind(a, b) for a, b in zip(olds, news)):
-        differing = []
-        for a, b in zip(olds, news):
-            differing += _copy_own_state(a, b)
-        # and then every variable as it is: a file's values are what a layer exports, not
-        # always what it holds (a LoRA-enabled Dense or Embedding saves its kernel with the
-        # adapter merged in and zeroes both adapter factors when it loads, which no gradient
-        # then moves); what a layer derived when it loaded is derived from these same values
-        new.set_weights(old.get_weights())
-        return differing, []
-
-    pairs, unpaired = _pair_by_path(old, new, olds, news)
+    Returns ``(differing, restructured, pairs)``: ``layer.attribute`` for each public
+    attribute of a plain value (a number, a string, a bool, None) that the copy has
+    otherwise than ``old``, set after construction and absent from the config, that no copy
+    can know; ``path (class; the copy has class)`` for each stateless sub-layer without a
+    counterpart; and the pairs (see :func:`_pair_trees`)."""
+    pairs, unpaired, by_position = _pair_trees(old, new)
+    _match_sub_layers(old, pairs)
     lost, restructured = [], []
     for path, a, b in unpaired:
         where = (f"{path} ({type(a).__name__ if a is not None else 'no layer'}; the copy has "
@@ -548,7 +549,7 @@ def _copy_state(old, new, verb):
             lost.append(f"{where}, holding " + " and ".join(held))
         else:
             restructured.append(where)
-    for path, a, b in pairs:
+    for path, a, b in [] if by_position else pairs:
         shapes_a = [tuple(v.shape) for v in _own_variables(a)]
         shapes_b = [tuple(v.shape) for v in _own_variables(b)]
         if shapes_a != shapes_b:
@@ -562,13 +563,220 @@ def _copy_state(old, new, verb):
             "(every constructor argument that decides them) and its input shapes: create them in "
             "__init__() or build(), not according to a call argument or by assigning them later"
         )
+    # sub-layers configured otherwise, compared again once they hold their state, which
+    # gives some what their config then says (an adapted lookup layer's vocabulary size);
+    # named at once where copying the state fails for it (a sub-layer quantized)
+    configured = _configured_otherwise(old, pairs)
     differing = []
+    try:
+        for _, a, b in pairs:
+            differing += _copy_own_state(a, b)
+        if by_position:
+            # and then every variable as it is: a file's values are what a layer exports, not
+            # always what it holds (a LoRA-enabled Dense or Embedding saves its kernel with the
+            # adapter merged in and zeroes both adapter factors when it loads, which no
+            # gradient then moves); what a layer derived when it loaded is derived from these
+            # same values
+            new.set_weights(old.get_weights())
+        else:
+            for _, a, b in pairs:  # the same, layer by layer
+                for va, vb in zip(_own_variables(a), _own_variables(b)):
+                    vb.assign(va)
+    except Exception as err:
+        if configured:
+            _raise_configured_otherwise(old, configured, verb, err)
+        raise
+    _raise_configured_otherwise(old, _configured_otherwise(old, [(p, a, b) for p, a, b, _ in configured]), verb)
+    return differing, restructured, pairs
+
+
+def _pair_trees(old, new):
+    """The layers of ``old``'s tree (itself included) paired with those of ``new``'s, a copy
+    of it from its config: ``(pairs, unpaired, by_position)``, lists of ``(path, layer of
+    old, layer of new)`` as :func:`_pair_by_path` gives them, by position where the two
+    trees have the same layer classes in the same order (``path`` None then)."""
+    olds = list(old._flatten_layers(include_self=True, recursive=True))
+    news = list(new._flatten_layers(include_self=True, recursive=True))
+    if len(olds) == len(news) and all(_same_kind(a, b) for a, b in zip(olds, news)):
+        return [(None, a, b) for a, b in zip(olds, news)], [], True
+    return (*_pair_by_path(old, new, olds, news), False)
+
+
+def _pair_sub_layers(old, new, verb):
+    """:func:`_pair_trees` of a layer ``old`` that is not built and its copy ``new``, each
+    pair given what :func:`_match_sub_layers` gives and checked by
+    :func:`_configured_otherwise`: ``(pairs, unpaired)``."""
+    pairs, unpaired, _ = _pair_trees(old, new)
+    _match_sub_layers(old, pairs)
+    _raise_configured_otherwise(old, _configured_otherwise(old, pairs), verb)
+    return pairs, unpaired
+
+
+def _match_sub_layers(old, pairs):
+    """Give each sub-layer of ``old``'s copy in ``pairs`` (see :func:`_pair_trees`) what
+    its original was given after construction, which no config that makes it says and
+    which the copy can be given exactly: LoRA enabled (``enable_lora``, as keras-hub's
+    ``backbone.enable_lora(rank)`` enables it on the attention layers' projections), with
+    its rank and alpha, and the ``trainable`` flag of the layer (a sub-layer frozen) and
+    of each variable it holds itself."""
     for _, a, b in pairs:
-        differing += _copy_own_state(a, b)
-    for _, a, b in pairs:  # every variable as it is (see above), layer by layer
-        for va, vb in zip(_own_variables(a), _own_variables(b)):
-            vb.assign(va)
-    return differing, restructured
+        if a is old:
+            continue  # the copy itself, made from this config
+        if (getattr(a, "lora_enabled", False) is True and getattr(b, "lora_enabled", True) is False
+                and b.built and callable(getattr(b, "enable_lora", None))):
+            b.enable_lora(a.lora_rank, lora_alpha=a.lora_alpha)
+        if b.trainable != a.trainable:
+            b._trainable = a.trainable  # not the setter: it sets every sub-layer alike
+        own_a, own_b = _own_variables(a), _own_variables(b)
+        if len(own_a) == len(own_b):
+            for va, vb in zip(own_a, own_b):
+                if vb.trainable != va.trainable:
+                    vb.trainable = va.trainable
+
+
+def _configured_otherwise(old, pairs) -> list:
+    """``(path, layer, its copy, config entries)`` for each sub-layer of ``old`` in
+    ``pairs`` (see :func:`_pair_trees`, after :func:`_match_sub_layers`) whose copy has a
+    config that differs from the original's in anything but its name (a sub-layer assigned
+    again before building with other arguments, ``Dense(2, activation="softmax")`` for the
+    constructor's ``Dense(2)``; one quantized after construction): the copy, rebuilt from
+    ``old``'s config, would compute something else."""
+    differing = []
+    for path, a, b in pairs:
+        if a is old:
+            continue  # the copy itself, made from this config
+        keys = _config_differences(a, b)
+        if keys:
+            differing.append((path, a, b, keys))
+    return differing
+
+
+def _raise_configured_otherwise(old, differing, verb, cause=None):
+    """Raise ``ValueError`` naming each of ``differing`` (:func:`_configured_otherwise`), if any."""
+    if not differing:
+        return
+    if any(path is None for path, _, _, _ in differing):
+        paths = {id(layer): path for path, layer in _layers_by_path(
+            old, old.name, list(old._flatten_layers(include_self=True, recursive=True))).items()}
+        differing = [(paths.get(id(a), f"{old.name}/.../{a.name}") if path is None else path, a, b, keys)
+                     for path, a, b, keys in differing]
+    raise ValueError(
+        f"{verb}: cannot copy {old.name!r} ({type(old).__name__}) as it is: its copy, rebuilt "
+        "from its config (as a .keras file rebuilds it), has sub-layers configured otherwise "
+        "than the original's, so it would compute something else: "
+        + "; ".join(f"{path} ({type(a).__name__}): " + ", ".join(keys) for path, a, _, keys in differing)
+        + ". Make its sub-layers follow from its get_config(): pass what configures them as "
+        "constructor arguments that get_config() returns (or return the sub-layer itself through "
+        "keras.saving.serialize_keras_object() and take it back in from_config()), rather than "
+        "assigning or changing a sub-layer after construction"
+    ) from cause
+
+
+def _config_differences(a, b) -> list:
+    """``key (value; the copy has value)`` for each entry of the layer ``a``'s config that
+    the config of ``b``, its counterpart in a copy, has otherwise. Not compared: names
+    (a layer's own and those of the layers a config holds, which a constructor that does
+    not name its sub-layers makes afresh), ``synchronized`` (between BatchNormalization
+    and SyncBatchNormalization), the layers of a plain Sequential or Functional model
+    (compared each as a layer of the tree, their names and connections aside). Where
+    either config cannot be had (a sub-layer no file could save either), nothing."""
+    if _is_plain_graph_model(a):
+        return []
+    try:
+        config_a, config_b = a.get_config(), b.get_config()
+    except Exception:
+        return []
+    if type(a) is not type(b):  # BatchNormalization and SyncBatchNormalization
+        config_a, config_b = dict(config_a), dict(config_b)
+        config_a.pop("synchronized", None)
+        config_b.pop("synchronized", None)
+    differing = []
+    for key, _, _ in _differences(config_a, config_b, "", top=True):
+        top = key.split(".")[0].split("[")[0]
+        if top not in [d[0] for d in differing]:
+            differing.append((top, config_a.get(top, _MISSING), config_b.get(top, _MISSING)))
+    return [f"{key} ({_short(x)}; the copy has {_short(y)})" for key, x, y in differing]
+
+
+_MISSING = type("_Missing", (), {"__repr__": lambda self: "nothing"})()
+
+
+def _short(value) -> str:
+    """``value`` of a config in words of at most 100 characters, a serialized Keras object
+    as ``ClassName(its config)``."""
+    def compact(v):
+        if isinstance(v, dict) and "class_name" in v and isinstance(v.get("config"), dict):
+            args = ", ".join(f"{k}={compact(x)}" for k, x in v["config"].items() if k != "name" or "trainable" not in v["config"])
+            return f"{v['class_name']}({args})"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k!r}: {compact(x)}" for k, x in v.items()) + "}"
+        return repr(v)
+
+    text = compact(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _differences(a, b, key, top=False):
+    """``(key, value of a, value of b)`` for each leaf at which the nested configs ``a``
+    and ``b`` differ (see :func:`_same_value`); ``top``: ``a`` and ``b`` are layers' configs."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        skip = {"shared_object_id"}  # what a serialization within Keras's sharing scope adds
+        if top or "trainable" in a and "trainable" in b:  # a layer's config, at any depth
+            skip.add("name")
+            if "input_layers" in a or "input_layers" in b:  # a Functional model's: its layers
+                skip.update(("layers", "input_layers", "output_layers"))
+        found = []
+        for k in list(a) + [k for k in b if k not in a]:
+            if k in skip:
+                continue
+            sub = f"{key}.{k}" if key else str(k)
+            if k not in a or k not in b:
+                found.append((sub, a.get(k, _MISSING), b.get(k, _MISSING)))
+            else:
+                found += _differences(a[k], b[k], sub)
+        return found
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        found = []
+        for i, (x, y) in enumerate(zip(a, b)):
+            found += _differences(x, y, f"{key}[{i}]")
+        return found
+    return [] if _same_value(a, b) else [(key, a, b)]
+
+
+def _same_value(a, b) -> bool:
+    """Whether two leaves of configs are alike: equal (NaN equal to NaN), arrays of the same
+    dtype, shape and values, Keras objects of one class whose configs are alike, classes and
+    functions of one name (a lambda each constructor makes afresh); other objects that
+    compare only by identity (made afresh by each constructor), of one class."""
+    if a is b:
+        return True
+    if isinstance(a, (int, float, complex)) and isinstance(b, (int, float, complex)):
+        return a == b or (a != a and b != b)
+    if callable(getattr(a, "get_config", None)) and not isinstance(a, type):
+        if type(a) is not type(b):
+            return False
+        try:
+            return not _differences(a.get_config(), b.get_config(), "")
+        except Exception:
+            return True  # cannot tell
+    if hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, (str, bytes)):
+        try:
+            x, y = keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
+        except Exception:
+            return type(a) is type(b)
+        import numpy as np
+
+        return x.shape == y.shape and x.dtype == y.dtype and bool(
+            np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
+    if isinstance(a, type) or callable(a) and hasattr(a, "__qualname__"):  # a class, a function
+        return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
+            getattr(b, "__module__", None), getattr(b, "__qualname__", None))
+    if type(a).__eq__ is object.__eq__:
+        return type(a) is type(b)
+    try:
+        return bool(a == b)
+    except Exception:
+        return type(a) is type(b)
 
 
 def _same_kind(a, b) -> bool:
