@@ -1442,5 +1442,115 @@ def convert_gives_sub_layers_their_frozen_flags_and_lora():
     return {"trainable weights": counts}
 
 
+def tied_classes():
+    """``Tied``, a custom layer that projects onto the embedding matrix of an Embedding it
+    is given (weight tying), saving it in its config as Keras asks; ``Untied``, one that
+    makes its own Embedding from its arguments, to which another is assigned."""
+    import keras
+
+    register = keras.saving.register_keras_serializable(package="syncbn_tied")
+
+    @register
+    class Tied(keras.layers.Layer):
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def build(self, shape):
+            if not self.embedding.built:  # called before the embedding is
+                self.embedding.build((None,))
+
+        def call(self, x):
+            return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+        def get_config(self):
+            return {**super().get_config(), "embedding": keras.saving.serialize_keras_object(self.embedding)}
+
+        @classmethod
+        def from_config(cls, config):
+            config = dict(config)
+            config["embedding"] = keras.saving.deserialize_keras_object(config["embedding"])
+            return cls(**config)
+
+    @register
+    class Untied(keras.layers.Layer):
+        def __init__(self, vocabulary=10, width=4, **kwargs):
+            super().__init__(**kwargs)
+            self.vocabulary, self.width = vocabulary, width
+            self.embedding = keras.layers.Embedding(vocabulary, width)
+
+        def build(self, shape):
+            self.embedding.build((None,))
+
+        def call(self, x):
+            return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+        def get_config(self):
+            return {**super().get_config(), "vocabulary": self.vocabulary, "width": self.width}
+
+    return Tied, Untied
+
+
+@check
+def convert_keeps_layers_tied_as_a_keras_file_does():
+    """An Embedding that a Functional model calls and that a custom layer holds to project
+    onto its matrix (weight tying, the custom layer serializing it in its config): a
+    ``.keras`` file keeps one Embedding for both, ``clone_model`` two. ``convert`` made two
+    without a word (one variable more, which training moves apart); now the copy (and
+    ``revert`` of it) holds one Embedding in both places, whichever of the two layers the
+    model copies first. A tie that no config says (another Embedding assigned to a layer
+    that makes its own) raises ValueError, naming the layer and the fix."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    Tied, Untied = tied_classes()
+    layers = keras.layers
+    rng = np.random.default_rng(47)
+    tokens = rng.integers(0, 10, (4, 3))
+
+    def head_first():  # the head further from the outputs than the embedding: copied first
+        embedding = layers.Embedding(10, 4, name="embedding")
+        vectors, ids = keras.Input((4,), name="vectors"), keras.Input((3,), dtype="int32", name="ids")
+        logits = layers.BatchNormalization(name="bn")(layers.Dense(4, name="mid")(Tied(embedding, name="tied")(vectors)))
+        return keras.Model([vectors, ids], [logits, embedding(ids)]), [rng.standard_normal((4, 4)).astype(np.float32), tokens]
+
+    def embedding_first():
+        embedding = layers.Embedding(10, 4, name="embedding")
+        ids = keras.Input((3,), dtype="int32")
+        h = layers.BatchNormalization(name="bn")(layers.Dense(4, name="mid")(embedding(ids)))
+        return keras.Model(ids, Tied(embedding, name="tied")(h)), tokens
+
+    info = {}
+    for make in (head_first, embedding_first):
+        model, x = make()
+        randomize(model.get_layer("bn"), rng)
+        unique = len(model.weights)
+        assert model.get_layer("tied").embedding is model.get_layer("embedding"), "vacuous: not tied"
+        assert len(keras.models.clone_model(model).weights) == unique + 1, "vacuous: clone_model keeps the tie"
+        synced = convert(model)
+        assert type(synced.get_layer("bn")) is SyncBatchNormalization
+        for label, copy in (("convert", synced), ("revert(convert)", revert(synced))):
+            assert copy.get_layer("tied").embedding is copy.get_layer("embedding"), (make.__name__, label, "untied")
+            assert len(copy.weights) == unique, (make.__name__, label, [w.path for w in copy.weights])
+            for ours, theirs in zip(keras.tree.flatten(copy(x)), keras.tree.flatten(model(x))):
+                np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs),
+                                              err_msg=f"{make.__name__}, {label}")
+        info[make.__name__] = unique
+
+    embedding = layers.Embedding(10, 4, name="embedding")
+    untied = Untied(name="untied")
+    untied.embedding = embedding
+    ids = keras.Input((3,), dtype="int32")
+    model = keras.Model(ids, untied(layers.Dense(4, name="mid")(embedding(ids))), name="model")
+    _, message = converted_or_raised(model)
+    assert message is not None, "converted an untied copy without a word"
+    for needle in ("layer 'embedding' (Embedding) is 2 layers in the copy", "held by 'untied'",
+                   "serialize_keras_object()", "deserialize_keras_object()"):
+        assert needle in message, (needle, message)
+    info["untied"] = message.split("apart): ")[1].split(". A layer")[0]
+    return {"weights": info}
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)

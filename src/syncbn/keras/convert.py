@@ -71,8 +71,12 @@ def convert(model):
     it. A sub-layer's ``trainable`` flag (a frozen backbone) and LoRA enabled on it are
     given to its copy; one whose config differs otherwise in the copy (assigned again
     before building with other arguments, quantized) raises ``ValueError``, naming it and
-    the entries, as the copy would compute something else. Seed generators (Dropout) start
-    afresh.
+    the entries, as the copy would compute something else. A layer held in two places (an
+    ``Embedding`` that a custom layer projects onto, for weight tying) stays one layer in
+    the copy where its holder returns it in ``get_config()`` through
+    ``keras.saving.serialize_keras_object`` (as a ``.keras`` file keeps it; ``clone_model``
+    makes two); a tie that the copy would lose raises ``ValueError``, naming the layer.
+    Seed generators (Dropout) start afresh.
 
     The copy is not compiled, whether or not ``model`` was: compile it (inside
     ``strategy.scope()`` when training with a ``tf.distribute`` strategy, and build or
@@ -121,6 +125,14 @@ class _Swap:
         # id(layer) -> (layer, its copy): a layer met twice (shared by nested models, held
         # in two places) gets one copy; the layer is kept so that its id stays its own.
         self._copies = {}
+        # (layer, a copy of it, the layer whose copying paired them): every layer paired
+        # with its copy, to find a layer (or variable) of the original that its copy holds
+        # twice over (_check_ties)
+        self._pairs = []
+        # id(layer) -> its copy, for each layer held in more than one place: what Keras's
+        # deserialization gives a config that serializes it (_keeping_ties)
+        self._shared = {}
+        self._tied = set()  # the ids of those layers
 
     @classmethod
     def to_sync(cls):
@@ -142,7 +154,10 @@ class _Swap:
     # ------------------------------------------------------------------ entry point
 
     def run(self, model):
-        result = self.copy(model)
+        with self._keeping_ties(model):
+            result = self.copy(model)
+        self._pairs.append((model, result, None))
+        self._check_ties()
         _keep_torch_modes(model, result)
         if self.skipped:
             names = sorted({f"{layer.name} ({type(layer).__name__})" for layer in self.skipped})
@@ -173,8 +188,9 @@ class _Swap:
         return result
 
     def _note(self, old, differing, restructured, pairs):
-        self.differing += differing
+        self.differing += [d for d in differing if d not in self.differing]
         self.restructured += restructured
+        self._pairs += [(a, b, old) for _, a, b in pairs]
 
     def _copied(self, old, new):
         """Give ``new`` (a fresh copy of the layer ``old`` from its config) ``old``'s state
@@ -184,6 +200,83 @@ class _Swap:
             self._note(old, *_copy_state(old, new, self.verb))
         else:
             self._note(old, [], [], _pair_sub_layers(old, new, self.verb)[0])
+
+    @contextlib.contextmanager
+    def _keeping_ties(self, model):
+        """Within: a layer of ``model`` held in more than one place (an ``Embedding`` that
+        a Functional model calls and that a custom layer holding it for weight tying
+        serializes in its ``get_config()``) comes out of Keras's deserialization (that
+        custom layer's ``from_config``) as the one copy that the walk made or will make of
+        it, as loading a ``.keras`` file keeps one object for it. Keras's own mechanism
+        (``shared_object_id``, the scope its saving opens), limited to those layers: a
+        config that serializes one of them is given its id, and the copy made of it is
+        what the deserialization returns. Without that mechanism (another Keras), nothing
+        is kept, and :meth:`_check_ties` raises where a tie is lost."""
+        try:
+            from keras.src.backend.common import global_state
+        except ImportError:  # pragma: no cover - another Keras
+            yield
+            return
+        shared = _held_in_several_places(model)
+        if not shared:
+            yield
+            return
+        keys = ("shared_objects/id_to_obj_map", "shared_objects/id_to_config_map")
+        before = [global_state.get_global_attribute(key) for key in keys]
+        self._shared, self._tied = {}, shared
+        global_state.set_global_attribute(keys[0], self._shared)
+        global_state.set_global_attribute(keys[1], _Seen(shared))
+        try:
+            yield
+        finally:
+            for key, value in zip(keys, before):
+                global_state.set_global_attribute(key, value)
+            self._shared, self._tied = {}, set()
+
+    def _check_ties(self):
+        """Raise where the copy holds two layers (or variables) for one of the original's:
+        a layer held in two places (passed to a custom layer's constructor for weight
+        tying, or assigned to its attribute) whose holder's copy, made from its config,
+        made its own. Training the copy would no longer tie them."""
+
+        def final(layer):  # what the copy holds in the end (a swapped batch norm, a copied model)
+            seen = set()
+            while id(layer) in self._copies and self._copies[id(layer)][0] is layer and id(layer) not in seen:
+                seen.add(id(layer))
+                layer = self._copies[id(layer)][1]
+            return layer
+
+        layers, variables = {}, {}  # id(original's) -> (original's, {id(copy's): (copy's, holders)})
+        for a, b, owner in self._pairs:
+            b = final(b)
+            holders = layers.setdefault(id(a), (a, {}))[1].setdefault(id(b), (b, set()))[1]
+            if owner is not None and owner is not a:
+                holders.add(owner.name)
+            own_a, own_b = _own_variables(a), _own_variables(b)
+            if len(own_a) == len(own_b) and all(va.shape == vb.shape for va, vb in zip(own_a, own_b)):
+                for va, vb in zip(own_a, own_b):
+                    variables.setdefault(id(va), (va, {}))[1].setdefault(id(vb), (vb, set()))[1].add(a.name)
+        lost = []
+        for a, copies in layers.values():
+            if len(copies) > 1:
+                held = "; ".join(f"one held by {', '.join(sorted(repr(h) for h in holders)) or 'the model'}"
+                                 for _, holders in copies.values())
+                lost.append(f"layer {a.name!r} ({type(a).__name__}) is {len(copies)} layers in the copy: {held}")
+        if not lost:  # a variable shared by layers that are not shared
+            for v, copies in variables.values():
+                if len(copies) > 1:
+                    held = " and ".join(sorted({name for _, names in copies.values() for name in names}))
+                    lost.append(f"variable {v.path!r}, held by {held}, is {len(copies)} variables in the copy")
+        if lost:
+            raise ValueError(
+                f"{self.verb}: the original shares layers or variables between places that its copy, "
+                "rebuilt from each layer's config, holds separately, so the copy would no longer tie "
+                "them (training would move them apart): " + "; ".join(lost) + ". A layer that holds a "
+                "layer of the model must be rebuilt holding that same layer, as a .keras file keeps it: "
+                "return it in its get_config() through keras.saving.serialize_keras_object() and take "
+                "it back in its from_config() through keras.saving.deserialize_keras_object(), or "
+                "create the layers it ties in its own __init__()"
+            )
 
     def copy(self, model):
         """A copy of ``model`` (a layer or a model) with every ``source`` layer swapped."""
@@ -211,10 +304,14 @@ class _Swap:
         def clone(layer):
             if id(layer) in self._copies:  # a layer shared with a model copied before
                 return self._copies[id(layer)][1]
-            if self.replaces(layer):
-                new = self.swapped(layer)
-            elif _is_graph_model(layer):
-                new = self.copy(layer)  # keeps its input names and, for a subclass, its class
+            # a layer that a layer copied before holds, and so made (from its config) as
+            # the copy of this one (_keeping_ties)
+            held = self._shared.get(id(layer))
+            if self.replaces(layer) or _is_graph_model(layer):
+                # swapped, or a copy that keeps its input names and, for a subclass, its class
+                new = self.swapped(layer) if self.replaces(layer) else self.copy(layer)
+                if held is not None:  # the holder's gets this copy in its place (swap_within)
+                    self._copies[id(held)] = (held, new)
             elif not isinstance(layer, keras.layers.Layer):
                 # an operation of the graph that is no layer (``h * h`` on KerasTensors is
                 # keras.ops' Multiply): copied from its config, as clone_model copies it; it
@@ -223,8 +320,12 @@ class _Swap:
             else:
                 if self.leaves(layer):
                     self.skipped.append(layer)
-                new = _copy_layer(layer, self.verb)
+                new = held if held is not None and type(held) is type(layer) else _copy_layer(layer, self.verb)
                 copies.append((layer, new))
+            if isinstance(layer, keras.layers.Layer):
+                self._pairs.append((layer, new, model))
+                if id(layer) in self._tied:
+                    self._shared.setdefault(id(layer), new)
             self._copies[id(layer)] = (layer, new)
             return new
 
@@ -777,6 +878,49 @@ def _same_value(a, b) -> bool:
         return bool(a == b)
     except Exception:
         return type(a) is type(b)
+
+
+class _Seen(dict):
+    """Keras's map of the objects seen by a serialization in its sharing scope (``id ->
+    config``), seeded with ``ids`` (see :meth:`_Swap._keeping_ties`) and holding nothing
+    else: every config that serializes one of those layers names its id, and no other
+    object (a temporary one whose id another takes after it) is ever taken as seen."""
+
+    def __init__(self, ids):
+        super().__init__((i, {}) for i in ids)
+
+    def __setitem__(self, key, value):
+        if key in self:
+            super().__setitem__(key, value)
+
+
+def _held_in_several_places(model) -> set:
+    """The ids of the layers of ``model``'s tree that two or more layers hold (a graph
+    model among its layers, a layer in an attribute, a list, tuple or dict): a layer
+    shared, for weight tying say."""
+    holders = {}
+    done = set()
+
+    def visit(layer):
+        if id(layer) in done:
+            return
+        done.add(id(layer))
+        stack, seen = [v for _, v in _held(layer)], set()
+        while stack:
+            value = stack.pop()
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, keras.layers.Layer):
+                holders.setdefault(id(value), set()).add(id(layer))
+                visit(value)
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+            elif isinstance(value, dict):
+                stack.extend(value.values())
+
+    visit(model)
+    return {i for i, held_by in holders.items() if len(held_by) > 1}
 
 
 def _same_kind(a, b) -> bool:
