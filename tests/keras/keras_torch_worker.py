@@ -106,6 +106,68 @@ def check_convert_modes(info):
     info["convert_modes"] = result
 
 
+def check_convert_modes_where_the_copy_differs(info):
+    """convert/revert on the torch backend of layers whose copy from their config has other
+    sub-layers than they (a constructor argument that get_config() leaves out deciding a
+    Dropout): each sub-layer of the copy that has a counterpart takes its torch
+    ``training`` mode, and one without a counterpart takes its owner's. ``Block`` (from
+    keras_roundtrip_checks) made with ``rate=0.5`` holds a Dropout that its copy lacks;
+    ``Tail`` made with ``rate=0`` lacks the Dropout that its copy, made with the default
+    rate, holds. The modes came back as the root's, whatever each layer had."""
+    import warnings
+
+    import keras
+
+    from keras_roundtrip_checks import restructured_classes
+    from syncbn.keras import convert, revert
+
+    Block = restructured_classes()[0]
+
+    class Tail(keras.layers.Layer):
+        def __init__(self, rate=0.5, **kwargs):
+            super().__init__(**kwargs)
+            self.rate = rate
+            self.dense = keras.layers.Dense(3)
+            if rate:
+                self.drop = keras.layers.Dropout(rate)
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x, training=None):
+            h = self.dense(x)
+            if self.rate:
+                h = self.drop(h, training=training)
+            return self.bn(h, training=training)
+
+        def get_config(self):
+            return super().get_config()  # ``rate`` left out
+
+    def modes(layer):
+        held = {name: getattr(layer, name) for name in ("norm", "dense", "drop", "bn") if hasattr(layer, name)}
+        return {"self": layer.training, **{name: sub.training for name, sub in held.items()}}
+
+    inputs = keras.Input((3,))
+    block = Block(rate=0.5, name="block")  # its copy has no Dropout
+    tail = Tail(rate=0.0, name="tail")  # its copy has one
+    model = keras.Model(inputs, tail(block(inputs)), name="model")
+    block.bn.eval()  # a sub-layer in eval mode, in a model in train mode
+    tail.eval()  # a layer in eval mode (its copy's Dropout is to follow it), one sub-layer back in train mode
+    tail.dense.train()
+    alone = Block(rate=0.5, name="alone")
+    alone(np.zeros((2, 3), np.float32))
+    alone.eval()  # the converted layer itself in eval mode, one sub-layer back in train mode
+    alone.bn.train()
+    result = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the attribute and restructuring warnings, checked elsewhere
+        for label, root, names in (("model", model, ("block", "tail")), ("alone", alone, ("alone",))):
+            result[label] = {"original": {"root": root.training, **{
+                name: modes(root if name == label else root.get_layer(name)) for name in names}}}
+            for step, made in (("convert", convert(root)), ("revert", revert(convert(root)))):
+                result[label][step] = {"root": made.training, **{
+                    name: modes(made if name == label else made.get_layer(name)) for name in names}}
+    info["convert_modes_where_the_copy_differs"] = result
+
+
 def check_second_order(info, rank, calls):
     """A gradient penalty (backward with create_graph=True) raises a RuntimeError that
     names the problem on both ranks, after the forward all-reduce and before any
@@ -183,6 +245,7 @@ def main():
     info = {}
     check_local(info)
     check_convert_modes(info)
+    check_convert_modes_where_the_copy_differs(info)
 
     dist.init_process_group("gloo", rank=args.rank, world_size=2)
     calls = []

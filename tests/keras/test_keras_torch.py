@@ -104,3 +104,28 @@ def test_convert_keeps_torch_modes(run):
     for step in ("convert", "revert"):
         assert result[step] == result["original"], (step, result)
     assert result["warnings"] == [], result["warnings"]
+
+
+def test_convert_keeps_torch_modes_where_the_copy_differs(run):
+    """A layer whose copy from its config has other sub-layers than it: each sub-layer
+    with a counterpart keeps its torch mode (one in eval mode in a model in train mode,
+    one back in train mode in a layer in eval mode), and the copy's sub-layer without one
+    (``tail``'s Dropout) takes its owner's mode; converted and reverted."""
+    result = json.loads((run / "info-0.json").read_text())["convert_modes_where_the_copy_differs"]
+    model, alone = result["model"], result["alone"]
+    # not vacuous: the modes set differ from their owners', the copies' trees from the originals'
+    assert model["original"]["block"]["bn"] is False and model["original"]["root"] is True, result
+    assert model["original"]["tail"]["self"] is False and model["original"]["tail"]["dense"] is True, result
+    assert alone["original"]["alone"]["self"] is False and alone["original"]["alone"]["bn"] is True, result
+    for step in ("convert", "revert"):
+        for label, names in (("model", ("block", "tail")), ("alone", ("alone",))):
+            got, want = result[label][step], result[label]["original"]
+            assert got["root"] == want["root"], (label, step, result)
+            for name in names:
+                if name == "tail":
+                    assert "drop" not in want[name] and got[name].pop("drop", "none") == want[name]["self"], (
+                        label, step, result)
+                else:
+                    assert "drop" in want[name] and "drop" not in got[name], (label, step, result)
+                    want = {**want, name: {k: v for k, v in want[name].items() if k != "drop"}}
+                assert got[name] == want[name], (label, name, step, result)

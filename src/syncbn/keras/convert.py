@@ -158,7 +158,8 @@ class _Swap:
             result = self.copy(model)
         self._pairs.append((model, result, None))
         self._check_ties()
-        _keep_torch_modes(model, result)
+        if keras.backend.backend() == "torch":
+            _keep_torch_modes(model, result, self._made_from(model, result))
         if self.skipped:
             names = sorted({f"{layer.name} ({type(layer).__name__})" for layer in self.skipped})
             warnings.warn(
@@ -239,16 +240,9 @@ class _Swap:
         tying, or assigned to its attribute) whose holder's copy, made from its config,
         made its own. Training the copy would no longer tie them."""
 
-        def final(layer):  # what the copy holds in the end (a swapped batch norm, a copied model)
-            seen = set()
-            while id(layer) in self._copies and self._copies[id(layer)][0] is layer and id(layer) not in seen:
-                seen.add(id(layer))
-                layer = self._copies[id(layer)][1]
-            return layer
-
         layers, variables = {}, {}  # id(original's) -> (original's, {id(copy's): (copy's, holders)})
         for a, b, owner in self._pairs:
-            b = final(b)
+            b = self._final(b)
             holders = layers.setdefault(id(a), (a, {}))[1].setdefault(id(b), (b, set()))[1]
             if owner is not None and owner is not a:
                 holders.add(owner.name)
@@ -277,6 +271,40 @@ class _Swap:
                 "it back in its from_config() through keras.saving.deserialize_keras_object(), or "
                 "create the layers it ties in its own __init__()"
             )
+
+    def _final(self, layer):
+        """What the copy holds in the end for ``layer``, a copy the walk made (a swapped
+        batch norm for one that a copied owner's constructor made, a copied model)."""
+        seen = set()
+        while id(layer) in self._copies and self._copies[id(layer)][0] is layer and id(layer) not in seen:
+            seen.add(id(layer))
+            layer = self._copies[id(layer)][1]
+        return layer
+
+    def _made_from(self, model, result) -> dict:
+        """``id(layer) -> layer of model's tree`` for each layer of ``result``'s tree (the
+        copy of ``model``) that the walk paired with one of ``model``'s: as
+        :func:`_copy_state` paired them (by position where an owner's tree and its copy's
+        match, else by where each is held), as ``clone_model`` copied a graph model's
+        layers, followed through the copies made of those (a batch norm swapped, a nested
+        model copied). A layer of the copy that no layer of ``model`` made (one that its
+        owner's constructor made only in the copy) is absent."""
+        source = {}  # id(copy) -> the layer it was made from (of model's tree, or a copy itself)
+        for a, b, _ in self._pairs:
+            source.setdefault(id(b), a)
+        for value, new in self._copies.values():
+            if new is not value:
+                source.setdefault(id(new), value)
+        tree = {id(layer) for layer in model._flatten_layers(include_self=True, recursive=True)}
+        found = {}
+        for layer in result._flatten_layers(include_self=True, recursive=True):
+            origin, seen = layer, set()
+            while id(origin) not in tree and id(origin) in source and id(origin) not in seen:
+                seen.add(id(origin))
+                origin = source[id(origin)]
+            if id(origin) in tree:
+                found[id(layer)] = origin
+        return found
 
     def copy(self, model):
         """A copy of ``model`` (a layer or a model) with every ``source`` layer swapped."""
@@ -332,6 +360,11 @@ class _Swap:
         inputs = None if isinstance(model, keras.Sequential) else _inputs_like(model)
         with _not_compiled(model):  # clone_model would compile the copy from model's compile config
             new_model = keras.models.clone_model(model, input_tensors=inputs, clone_function=clone)
+        # its input layers, made afresh by clone_model, in their order (for _keep_torch_modes)
+        ins = [[layer for layer in m._flatten_layers(include_self=False, recursive=False)
+                if isinstance(layer, keras.layers.InputLayer)] for m in (model, new_model)]
+        if len(ins[0]) == len(ins[1]):
+            self._pairs += [(a, b, model) for a, b in zip(*ins)]
         _keep_trainable_flags(model, new_model)
         seen = set()
         for old, new in copies:
@@ -1057,26 +1090,50 @@ def _held(layer):
             yield key, value
 
 
-def _keep_torch_modes(old, new) -> None:
+def _keep_torch_modes(old, new, made_from) -> None:
     """On the torch backend, where every layer is a ``torch.nn.Module``: give each of the
-    copy's layers, and the torch modules each holds (a wrapped torch layer, which reads
-    its mode when the model is called directly), the ``training`` mode of the original's
-    (``model.eval()`` or ``layer.eval()`` before converting). Layer by layer where the two
-    trees match, else the root's mode for the whole copy."""
+    copy's layers, and the torch modules each holds itself (a wrapped torch layer, which
+    reads its mode when the model is called directly), the ``training`` mode of the
+    original's (``model.eval()`` or ``layer.eval()`` before converting).
+
+    The layers are paired as :func:`_copy_state` paired them to copy their state
+    (``made_from``, see :meth:`_Swap._made_from`: by position where a layer's tree and its
+    copy's match, else by where each is held). A layer of the copy without a counterpart
+    (a sub-layer that its owner's constructor made only in the copy) takes the mode of
+    its nearest ancestor that has one (the root ``new`` has ``old``'s). The torch modules
+    a layer holds itself take its counterpart's, one by one, where the two hold modules of
+    the same classes in the same order, else the layer's mode."""
     if keras.backend.backend() != "torch" or not hasattr(new, "train"):
         return
-    olds = list(old._flatten_layers(include_self=True, recursive=True))
-    news = list(new._flatten_layers(include_self=True, recursive=True))
-    if len(olds) != len(news):
-        new.train(old.training)
-        return
-    for a, b in zip(olds, news):
-        held_a, held_b = list(a.modules()), list(b.modules())
-        if len(held_a) != len(held_b):
-            b.train(a.training)
+
+    def own_modules(layer):  # the torch modules it holds, not through a layer of the tree
+        found, stack = [], list(layer.children())[::-1]
+        while stack:
+            module = stack.pop()
+            if isinstance(module, keras.layers.Layer):
+                continue  # a layer of the tree: set on its own
+            found.append(module)
+            stack.extend(list(module.children())[::-1])
+        return found
+
+    modes = {}  # id(layer of the copy) -> the mode it was given
+    queue = [(new, None)]
+    while queue:  # the copy's tree, owners before the layers they hold
+        layer, owner = queue.pop(0)
+        if id(layer) in modes:
             continue
-        for x, y in zip(held_a, held_b):
-            y.training = x.training
+        a = made_from.get(id(layer), old if layer is new else None)
+        mode = bool(a.training) if a is not None else modes[id(owner)]
+        modes[id(layer)] = mode
+        layer.training = mode
+        held_a, held_b = (own_modules(a) if a is not None else []), own_modules(layer)
+        if a is not None and [type(m) for m in held_a] == [type(m) for m in held_b]:
+            for x, y in zip(held_a, held_b):
+                y.training = x.training
+        else:
+            for y in held_b:
+                y.training = mode
+        queue += [(sub, layer) for sub in layer._flatten_layers(include_self=False, recursive=False)]
 
 
 def _differing_attributes(old, new) -> list:
