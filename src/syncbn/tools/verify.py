@@ -191,7 +191,7 @@ def _check_runs_here(spec: VerifySpec) -> None:
     import torch
 
     model = build_model(spec)
-    x = torch.cat([rank_input(spec, 0, r) for r in range(spec.world_size)])
+    x = whole_batch(spec, 0)
     try:
         with torch.no_grad():
             model(x)
@@ -217,6 +217,14 @@ def rank_input(spec: VerifySpec, step: int, rank: int, nudge: int = 0):
         noise = torch.randn(spec.input_shape, generator=gen, dtype=torch.float64)
         x = (x.double() * (1 + _NUDGE_ULPS * _EPS[spec.dtype] * noise)).to(x.dtype)
     return x
+
+
+def whole_batch(spec: VerifySpec, step: int, nudge: int = 0):
+    """The W ranks' batches at ``step`` together (:func:`rank_input`, rank 0 first): what the
+    one-process reference runs on."""
+    import torch
+
+    return torch.cat([rank_input(spec, step, r, nudge) for r in range(spec.world_size)])
 
 
 def _output_tensors(output) -> list:
@@ -405,7 +413,7 @@ def _reference(spec: VerifySpec, start: dict, step: int, nudge: int = 0, seed: i
     torch.manual_seed(1_000_000 + 1009 * step + seed)
     recorder.new_step()
     opt.zero_grad(set_to_none=False)
-    x = torch.cat([rank_input(spec, step, r, nudge) for r in range(spec.world_size)]).to(work)
+    x = whole_batch(spec, step, nudge).to(work)
     outputs = _output_tensors(model(x))
     total = 0.0
     for r in range(spec.world_size):
