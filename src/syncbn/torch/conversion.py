@@ -449,8 +449,8 @@ def _classify(m: nn.Module, name: str = ""):
     # and attributes (_carry_registered), but not pruning or parametrizations: those stay
     # local too, as on a plain layer
     why = _why_not_movable(m, extra_tensors=not registered, hooks=False)
-    if why is None and _lazy_hooks_shared(m):
-        why = (f"its {', '.join(_lazy_hooks_shared(m))} hold other hooks beside its own shape-inference ones, "
+    if why is None and (shared := _lazy_hooks_shared(m)):
+        why = (f"its {', '.join(shared)} hold other hooks beside its own shape-inference ones, "
                "which cannot move without them: run one forward before converting (torch then finishes the "
                "lazy layer), or register these hooks on the converted layer")
     if why is not None:
