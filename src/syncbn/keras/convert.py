@@ -759,8 +759,7 @@ def _match_sub_layers(old, pairs):
         if (getattr(a, "lora_enabled", False) is True and getattr(b, "lora_enabled", True) is False
                 and b.built and callable(getattr(b, "enable_lora", None))):
             b.enable_lora(a.lora_rank, lora_alpha=a.lora_alpha)
-        if b.trainable != a.trainable:
-            b._trainable = a.trainable  # not the setter: it sets every sub-layer alike
+        _give_trainable(a, b)
         own_a, own_b = _own_variables(a), _own_variables(b)
         if len(own_a) == len(own_b):
             for va, vb in zip(own_a, own_b):
@@ -1147,8 +1146,7 @@ def _differing_attributes(old, new) -> list:
             continue
         if key == "training" and keras.backend.backend() == "torch":
             continue  # torch's module mode, which the copy takes (_keep_torch_modes)
-        if key not in ours or type(ours[key]) is not type(value) or (
-                ours[key] != value and not (value != value and ours[key] != ours[key])):  # NaN is NaN
+        if key not in ours or type(ours[key]) is not type(value) or not _same_value(value, ours[key]):  # NaN is NaN
             differing.append(f"{old.name}.{key} ({value!r}; the copy has {ours.get(key, 'no such attribute')!r})")
     return differing
 
@@ -1176,13 +1174,19 @@ def _keep_trainable_flags(old, new):
     if len(olds) != len(news):
         return
     for a, b in zip(olds, news):
-        if (_is_graph_model(a) or isinstance(a, keras.layers.InputLayer)) and b.trainable != a.trainable:
-            # the private field: the public setter would also set every layer inside
-            b._trainable = a.trainable
-            if b.trainable != a.trainable:  # a Keras that keeps the flag elsewhere: never silently
-                raise RuntimeError(
-                    f"syncbn.keras: could not give the copy of {a.name!r} its trainable={a.trainable} flag "
-                    f"on this Keras {keras.__version__}; please report it")
+        if _is_graph_model(a) or isinstance(a, keras.layers.InputLayer):
+            _give_trainable(a, b)
+
+
+def _give_trainable(a, b):
+    """Give the layer ``b`` the ``trainable`` flag of ``a``, its own only: the private field,
+    as the public setter would also set every layer inside (each is given its own)."""
+    if b.trainable != a.trainable:
+        b._trainable = a.trainable
+        if b.trainable != a.trainable:  # a Keras that keeps the flag elsewhere: never silently
+            raise RuntimeError(
+                f"syncbn.keras: could not give the copy of {a.name!r} its trainable={a.trainable} flag "
+                f"on this Keras {keras.__version__}; please report it")
 
 
 def _inputs_like(model):
