@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from syncbn._moved import MOVED
 
 # one fresh process imports every old path (the Keras and Flax demo models import Keras
@@ -20,6 +22,13 @@ import syncbn
 from syncbn._moved import MOVED
 out = {}
 for old, new in MOVED.items():
+    try:  # an optional framework this environment lacks (lightning, keras, flax): named, not checked
+        importlib.import_module(new)
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.split(".")[0] == "syncbn":
+            raise
+        out[old] = {"missing": error.name}
+        continue
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scope = {}
@@ -52,8 +61,11 @@ def test_old_paths_import_the_new_modules_with_one_warning():
     out = _run()
     assert out.pop("pickle") is True
     assert set(out) == set(MOVED)
+    missing = {old: out[old]["missing"] for old in MOVED if "missing" in out[old]}
     for old, new in MOVED.items():
         got = out[old]
+        if old in missing:
+            continue
         assert got["same"], old
         if old == "syncbn.functional":  # also the package's own name: not deprecated
             assert got["warnings"] == [], old
@@ -62,6 +74,8 @@ def test_old_paths_import_the_new_modules_with_one_warning():
             assert old in got["warnings"][0] and new in got["warnings"][0]
             # the warning points at the import in the user's code, not at importlib
             assert got["where"] == ["<user code>"], (old, got["where"])
+    if missing:  # every other path passed; these need a framework that is not installed here
+        pytest.skip(f"not installed, so not checked: {sorted(set(missing.values()))} (for {sorted(missing)})")
 
 
 def test_new_paths_do_not_warn():
