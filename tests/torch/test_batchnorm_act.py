@@ -490,6 +490,19 @@ def test_bad_input_names_the_problem():
     assert "activation='leaky_relu', activation_param=0.01" in repr(layer)
 
 
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, True)])
+def test_repr_says_what_a_batch_norm_repr_says(affine, bias):
+    """After the activation, the printed settings are those torch.nn.BatchNorm2d prints,
+    in its order: bias=False (or affine=False) shows that the layer has no shift, which
+    the repr used to leave out."""
+    ours = repr(syncbn.SyncBatchNormAct(4, affine=affine, bias=bias))
+    settings = f"eps=1e-05, momentum=0.1, affine={affine}, bias={affine and bias}, track_running_stats=True"
+    assert ours.endswith(f", {settings})"), ours
+    torchs = torch_batchnorm(nn.BatchNorm2d, 4, affine=affine, bias=bias).extra_repr()
+    if "bias=" in torchs:  # torch before the bias argument (2.4) prints no bias
+        assert torchs == f"4, {settings}"
+
+
 # ---- in place, and when not -----------------------------------------------------------
 
 

@@ -940,9 +940,10 @@ class SyncBatchNormAct(_SyncNormBase):
         text = f"{self.num_features}, activation={self.activation!r}"
         if self.activation != "identity":
             text += f", activation_param={self.activation_param}"
+        # torch's batch norms say whether the layer has a shift (bias=False, or affine=False)
         text += (
             f", eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-            f"track_running_stats={self.track_running_stats}"
+            f"bias={self.bias is not None}, track_running_stats={self.track_running_stats}"
         )
         if self.inplace:
             text += ", inplace=True"
