@@ -503,6 +503,48 @@ def test_repr_says_what_a_batch_norm_repr_says(affine, bias):
         assert torchs == f"4, {settings}"
 
 
+
+def _meta_outputs(layer, shape, channels_last):
+    x = torch.empty(shape, device="meta")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = layer(x)
+    return y.device, y.shape, y.dtype, y.stride()
+
+
+@pytest.mark.parametrize("activation", batchnorm_act.ACTIVATIONS)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_meta_inputs_give_what_batchnorm_and_activation_give(activation, inplace, channels_last, training):
+    """On the meta device (shapes without values: shape inference) the layer gives the
+    output BatchNorm2d and the activation give, as syncbn.SyncBatchNorm does; in training
+    it raised torch's NotImplementedError for nonzero() on meta, from choosing which
+    channels keep their input."""
+    ours = syncbn.SyncBatchNormAct(4, activation=activation, activation_param=0.1, inplace=inplace)
+    ref = nn.Sequential(nn.BatchNorm2d(4), torch_activation(activation, 0.1))
+    for layer in (ours, ref):
+        layer.to("meta").train(training)
+    assert _meta_outputs(ours, (3, 4, 5, 2), channels_last) == _meta_outputs(ref, (3, 4, 5, 2), channels_last)
+    assert ours.running_var.device.type == "meta"
+
+
+def meta_job(world):
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    layer = syncbn.SyncBatchNormAct(4, process_group=group).to("meta")
+    with record_collectives() as calls:
+        got = _meta_outputs(layer, (2 + dist.get_rank(), 4, 3), False)
+    return got[1], len(calls)
+
+
+def test_meta_inputs_across_ranks(pool):
+    """Every rank on the meta device: the output's shape, and no collective (there are no
+    values to sum), on every rank alike; it raised NotImplementedError on every rank."""
+    assert pool.run(meta_job, 2)[:2] == [(torch.Size([2, 4, 3]), 0), (torch.Size([3, 4, 3]), 0)]
+
+
 # ---- in place, and when not -----------------------------------------------------------
 
 

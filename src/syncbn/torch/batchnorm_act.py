@@ -870,6 +870,12 @@ class SyncBatchNormAct(_SyncNormBase):
         local_plain = not (bn_training and self.training)  # eval: running or local batch stats
         captured = False
         syncing = not local_plain and distributed.group_size(self.process_group) > 1
+        if not local_plain and input.device.type == "meta":
+            # a meta input has shapes and no values (shape inference): nothing to choose kept
+            # channels from or to sum across ranks; torch's ops give BatchNorm + activation's
+            # output (shape, dtype, memory format), on every rank alike
+            local_plain = captured = True
+            syncing = False
         if syncing:  # before the momentum count moves: every rank alike, before any collective
             refuse_capture(type(self).__name__, self)  # export, jit.trace, torch.func
             if _dual(input, self.weight, self.bias):
