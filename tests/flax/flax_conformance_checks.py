@@ -629,6 +629,119 @@ def half_statistics_accumulate_in_float32():
     return info
 
 
+def wide_input_case(narrow, wide, seed, rows=16 * DEVICES, channels=3):
+    """An input of dtype ``wide`` whose values rounded to ``narrow`` have exactly
+    representable statistics: per channel, ``300 + k * u`` with ``u`` the spacing of
+    ``narrow`` at 300 and ``k`` a permutation of -2, -1, 1, 2 repeated (mean 300, biased
+    variance ``2.5 u**2``, both exact in ``narrow``), plus an offset of at most 0.4 u that
+    rounding to ``narrow`` removes. Returns ``(x, x rounded)`` as float64 numpy."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    u = 2.0 ** (8 - jnp.finfo(narrow).nmant)  # 300 is in [2**8, 2**9)
+    k = np.stack([rng.permutation(np.tile([-2.0, -1.0, 1.0, 2.0], rows // 4)) for _ in range(channels)], axis=1)
+    rounded = 300.0 + k * u
+    x = np.asarray(jnp.asarray(rounded + rng.uniform(-0.4, 0.4, k.shape) * u, wide), np.float64)
+    assert np.array_equal(np.asarray(jnp.asarray(x, narrow), np.float64), rounded)  # what the statistics see
+    return x, rounded
+
+
+def wide_input_oracle(x, rounded, scale, bias, dy, d_mean, d_var):
+    """Flax's definition in float64 (epsilon 0, momentum 0): statistics of the rounded
+    values (their derivative that of the input), the input as given normalized."""
+    import jax
+
+    with jax.enable_x64(True):
+        def f(x, scale, bias):
+            seen = x + jax.lax.stop_gradient(rounded - x)
+            mean = seen.mean(0)
+            var = ((seen - mean) ** 2).mean(0)
+            return (x - mean) * jax.lax.rsqrt(var) * scale + bias, mean, var
+
+        args = [jax.numpy.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias)]
+        out, pullback = jax.vjp(f, *args)
+        grads = pullback(tuple(jax.numpy.asarray(np.asarray(c, np.float64)) for c in (dy, d_mean, d_var)))
+        return [np.asarray(o) for o in out], [np.asarray(g) for g in grads]
+
+
+@check("x32", "x64")
+def input_wider_than_statistics_follows_flax():
+    """Statistics in a narrower dtype than the input (x32: a float32 input with dtype
+    float16 or bfloat16 and force_float32_reductions=False; x64: a float64 input with
+    dtype=float32): Flax takes the statistics of the input rounded to that dtype and
+    normalizes the input as given. Far from zero (mean 300, std about 1.6 spacings of
+    the narrow dtype there) rounding the input first moves each output by up to 0.4
+    spacings over the std, 0.25 std. On one device and under pmap over 2 devices, y,
+    the batch statistics and the gradients of x, scale and bias (with cotangents on the
+    running statistics too) match the float64 oracle of that definition, and y Flax's
+    layer (x32). Bounds: y carries the rounding of rsqrt(var) to the narrow dtype and its own
+    rounding to it, under 2**-nmant of |y| (TOL of the narrow dtype); the statistics are
+    exact; the backward runs in float32 (at least), so TOL["float32"]."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    pairs = ((jnp.float64, jnp.float32),) if x64_on() else ((jnp.float32, jnp.float16), (jnp.float32, jnp.bfloat16))
+    rng = np.random.default_rng(61)
+    info = {}
+    for wide, narrow in pairs:
+        name = jnp.dtype(narrow).name
+        x_np, rounded = wide_input_case(narrow, wide, 62)
+        kw = dict(dtype=narrow, momentum=0.0, epsilon=0.0, use_running_average=False)
+        if not x64_on():
+            kw["force_float32_reductions"] = False
+        x = jnp.asarray(x_np, wide)
+        channels = x.shape[-1]
+        params = {"scale": jnp.asarray(rng.uniform(0.5, 2.0, channels), jnp.float32),
+                  "bias": jnp.asarray(rng.uniform(-1.0, 1.0, channels), jnp.float32)}
+        stats = {"mean": jnp.zeros(channels, jnp.float32), "var": jnp.ones(channels, jnp.float32)}
+        dy = jnp.asarray(rng.standard_normal(x.shape), narrow)
+        # cotangents of the running statistics, values of the narrow dtype: the batch
+        # statistics are of that dtype, so theirs arrive rounded to it (in Flax's too)
+        d_mean = jnp.asarray(rng.standard_normal(channels), narrow).astype(jnp.float32)
+        d_var = jnp.asarray(rng.standard_normal(channels) * 1e-3 / (2.0 ** (8 - jnp.finfo(narrow).nmant)),
+                            narrow).astype(jnp.float32)
+        (ry, rmean, rvar), (rdx, rdscale, rdbias) = wide_input_oracle(x_np, rounded, params["scale"], params["bias"],
+                                                                       dy, d_mean, d_var)
+
+        def layer_fn(model):
+            def step(x, params):
+                y, upd = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+                return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+            return step
+
+        ours = layer_fn(sf.BatchNorm(**kw))
+        halves = x.reshape(DEVICES, -1, channels)
+        synced = jax.pmap(layer_fn(sf.BatchNorm(axis_name=AXIS, **kw)), axis_name=AXIS, in_axes=(0, None),
+                          devices=jax.devices()[:DEVICES])
+        cotangents = (dy, d_mean, d_var)
+        runs = {"one device": (ours, x, cotangents),
+                "pmap": (synced, halves, (dy.reshape(halves.shape), *(jnp.stack([c] * DEVICES) / DEVICES
+                                                                       for c in (d_mean, d_var))))}
+        for where, (fn, xin, cts) in runs.items():
+            (y, mean, var), pullback = jax.vjp(fn, xin, params)
+            dx, dparams = pullback(cts)
+            label = f"{name} statistics of a {jnp.dtype(wide).name} input, {where}"
+            assert y.dtype == jnp.dtype(narrow) and dx.dtype == jnp.dtype(wide), (label, y.dtype, dx.dtype)
+            mean, var = (mean[0], var[0]) if where == "pmap" else (mean, var)
+            info[f"{label} y"] = assert_close(f"{label} y", np.asarray(y, np.float64).reshape(x.shape), ry,
+                                              tol_for(narrow))
+            assert_close(f"{label} mean", mean, rmean, TOL["float32"])
+            assert_close(f"{label} var", var, rvar, TOL["float32"])
+            info[f"{label} dx"] = assert_close(f"{label} dx", np.asarray(dx).reshape(x.shape), rdx, TOL["float32"])
+            assert_close(f"{label} dscale", dparams["scale"], rdscale, TOL["float32"])
+            assert_close(f"{label} dbias", dparams["bias"], rdbias, TOL["float32"])
+        if not x64_on():
+            # Flax's own layer (its float16 / bfloat16 means of these values are exact: jnp.mean
+            # sums them in float32; its float32 mean of the x64 case sums 32 values near 300
+            # in float32, which loses the spacing of the values: only the oracle there)
+            want_y = layer_fn(nn.BatchNorm(use_fast_variance=False, **kw))(x, params)[0]
+            info[f"{name} y vs Flax"] = assert_close(f"{name} y vs Flax", np.asarray(ours(x, params)[0], np.float64),
+                                                     np.asarray(want_y, np.float64), tol_for(narrow))
+    return info
+
+
 # ----------------------------------------------------------------------------- Flax's tests
 
 

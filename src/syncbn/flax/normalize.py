@@ -30,8 +30,10 @@ real function of the real and imaginary parts). ``dscale = sum(dy * xhat)`` and
 ``dbias = sum(dy)``, their real parts for real parameters (the transpose of a real value
 used as a complex one). For a real input every ``conj`` and ``Re`` is the identity and
 this is the formula above. The output is computed in the statistics dtype promoted with
-the parameters' (as Flax's ``(x - mean) * (rsqrt(var + eps) * scale) + bias`` promotes)
-and cast to ``Config.out_dtype``; a complex value cast to a real dtype keeps its real part.
+the parameters' and the input's (as Flax's ``(x - mean) * (rsqrt(var + eps) * scale) + bias``
+promotes: the statistics are of the input rounded to their dtype, the input normalized is
+the one given) and cast to ``Config.out_dtype``; a complex value cast to a real dtype keeps
+its real part.
 The backward runs in that dtype promoted to at least ``float32`` (its sums and ``1 / N``
 too, as the forward's: see :func:`syncbn.flax.moments.local_moments`), and ``dx`` is
 rounded once to the input's dtype.
@@ -95,6 +97,17 @@ def _rstd(mom: Moments, config: Config):
     return lax.rsqrt(mom.var + jnp.asarray(config.epsilon, mom.var.dtype))
 
 
+def _centered_dtype(x, config: Config):
+    """The dtype ``x - mean`` is taken in: the input's promoted with the statistics' dtype,
+    as Flax subtracts the mean from the input as given. The statistics are of the input
+    rounded to their dtype, but with ``dtype`` (or, under ``jax_enable_x64``, float32
+    statistics of a float64 input) narrower than the input, Flax does not round the input
+    it normalizes: a float32 input at mean 300 and std 1 with ``dtype=float16`` and
+    ``force_float32_reductions=False`` would lose up to 0.125 standard deviations per
+    element (half a float16 spacing there) were it rounded first."""
+    return jnp.promote_types(x.dtype, config.stats_dtype)
+
+
 def _forward(x, scale, bias, mask, config: Config):
     dtype = config.stats_dtype
     mom = union_moments(x, mask, config.reduction_axes, dtype, config.axis_name, config.axis_index_groups)
@@ -102,7 +115,7 @@ def _forward(x, scale, bias, mask, config: Config):
     mean = jnp.expand_dims(mom.mean, axes)
     rstd = jnp.expand_dims(_rstd(mom, config), axes)
     gamma, beta = _params(x, scale, bias, config, _work_dtype(config, scale, bias))
-    y = (cast(x, dtype) - mean) * (rstd * gamma)
+    y = (cast(x, _centered_dtype(x, config)) - mean) * (rstd * gamma)
     if beta is not None:
         y = y + beta
     return cast(y, config.out_dtype), mom
@@ -170,12 +183,21 @@ def _batch_norm_bwd(config, residuals, cotangents):
     rstd = _rstd(mom._replace(var=mom.var.astype(real_dtype(wide))), config)
     rstd_b = jnp.expand_dims(rstd, axes)
     gamma, _ = _params(x, scale, None, config, work)
+    # xhat of the values the statistics are of (the input rounded to their dtype): what the
+    # mean and variance pass their cotangents back through
     xhat = (cast(cast(x, dtype), wide) - mean) * rstd_b
+    # xhat of what the forward normalized (see _centered_dtype): the same values unless
+    # the input is wider than the statistics: dscale, and the variance's share of dx, sum it
+    centered = _centered_dtype(x, config)
+    if centered == jnp.dtype(dtype):
+        xhat_y = xhat
+    else:
+        xhat_y = (cast(x, jnp.promote_types(centered, wide)) - mean) * rstd_b
     dy = cast(dy, work)
     # per-group sums (one group per device with axis_name; see moments.Groups), summed below
     groups = Groups.of(x, axes, config.axis_name)
     s1 = groups.sum(groups.split(dy))
-    s2 = groups.sum(groups.split(dy * xhat))
+    s2 = groups.sum(groups.split(dy * xhat_y))
 
     # without a sync axis the arrays are global (jit): every total is the parameter's gradient
     scale_total = not synced or scale is None or _takes_total(scale, tracked, names)
