@@ -742,6 +742,53 @@ def input_wider_than_statistics_follows_flax():
     return info
 
 
+@check("x32")
+def axis_forms_follow_flax():
+    """``axis`` as Flax's layers take it: one axis (an int or a NumPy integer) or any
+    iterable of axes (tuple, list, range, NumPy array, negative entries too). For each,
+    syncbn.flax.BatchNorm has flax.linen.BatchNorm's variables (shapes, values) and gives
+    its output and updated statistics (its two-pass mode, float32 rounding: TOL), and
+    syncbn.flax.nnx.BatchNorm gives flax.nnx.BatchNorm's (Flax's nnx layer trains on one
+    feature axis: the iterables there name one)."""
+    import jax
+    import flax.linen as nn
+    from flax import nnx
+    import syncbn.flax as sf
+    import syncbn.flax.nnx as snnx
+
+    x = sample("float32", (5, 2, 3), 71)
+    info = {}
+    forms = (np.int64(1), [1, 2], range(1, 3), np.array([2, 1]), (-1, 1), range(-1, 0))
+    for axis in forms:
+        label = f"linen axis={axis!r}"
+        theirs, ours = nn.BatchNorm(axis=axis, use_fast_variance=False, momentum=MOMENTUM), sf.BatchNorm(
+            axis=axis, momentum=MOMENTUM)
+        v = theirs.init(jax.random.PRNGKey(0), x, use_running_average=False)
+        v_ours = ours.init(jax.random.PRNGKey(0), x, use_running_average=False)
+        assert jax.tree.map(np.shape, v_ours) == jax.tree.map(np.shape, v), (label, jax.tree.map(np.shape, v_ours))
+        v = redraw(v, 72)
+        got = ours.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+        want = theirs.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+        info[label] = assert_close(f"{label} y", got[0], want[0], TOL["float32"])
+        for k in ("mean", "var"):
+            assert_close(f"{label} {k}", got[1]["batch_stats"][k], want[1]["batch_stats"][k], TOL["float32"])
+        assert_close(f"{label} eval", ours.apply(v, x, use_running_average=True),
+                     theirs.apply(v, x, use_running_average=True), TOL["float32"])
+    for axis, features in ((np.int64(1), 2), ([2], 3), (range(1, 2), 2), (np.array([-1]), 3)):
+        label = f"nnx axis={axis!r}"
+        theirs = nnx.BatchNorm(features, axis=axis, use_fast_variance=False, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+        ours = snnx.BatchNorm(features, axis=axis, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+        state = redraw(nnx.state(theirs, nnx.Variable), 73)  # (a NumPy axis is an array attribute too)
+        nnx.update(theirs, state)
+        nnx.update(ours, state)
+        info[label] = assert_close(f"{label} y", ours(x), theirs(x), TOL["float32"])
+        for k in ("mean", "var"):
+            assert_close(f"{label} {k}", getattr(ours, k)[...], getattr(theirs, k)[...], TOL["float32"])
+        assert_close(f"{label} eval", ours(x, use_running_average=True), theirs(x, use_running_average=True),
+                     TOL["float32"])
+    return info
+
+
 # ----------------------------------------------------------------------------- Flax's tests
 
 

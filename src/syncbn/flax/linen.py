@@ -24,6 +24,7 @@ JAX's promotion, so after an update they have the dtypes Flax's have (``float64`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import jax
@@ -36,10 +37,11 @@ from .normalize import Config, batch_norm, freeze_groups
 
 
 def canonical_axes(ndim: int, axes) -> tuple:
-    """Sorted, deduplicated, non-negative axes."""
-    if not isinstance(axes, (tuple, list)):
+    """Sorted, deduplicated, non-negative axes. ``axes`` is one axis or any iterable of
+    them (a tuple, list, ``range``, NumPy array), as Flax's layers take it."""
+    if not isinstance(axes, Iterable):
         axes = (axes,)
-    return tuple(sorted({ax + ndim if ax < 0 else ax for ax in axes}))
+    return tuple(sorted({int(ax) + ndim if ax < 0 else int(ax) for ax in axes}))
 
 
 def make_config(x, feature_axes, epsilon, axis_name, axis_index_groups, dtype, force_float32,
