@@ -372,3 +372,75 @@ def test_cuda_path_keeps_no_constant_per_batch_size(pool):
     other sizes (multi-scale training, a last smaller batch) make no new one."""
     for kept in pool.run(cuda_path_constants_job, [2, 3, 5, 1, 4])[:2]:
         assert kept[0] and all(k == kept[0] for k in kept[1:]), [len(k) for k in kept]
+
+
+# ---- float16 running buffers: the update is computed wide and rounded once -------------
+
+
+def half_buffer_job(world, form, path):
+    """One training step of a float16 layer on float16 inputs whose per-channel variance
+    (about 1.6e5) is beyond float16's range (65504), on this rank's path: the inputs and
+    the running buffers."""
+    import contextlib
+
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(11 + rank)
+    x = (torch.randn(3 + rank, 3, 4, 5, generator=gen, dtype=torch.float64) * 400 + 30).half()
+    layer = getattr(syncbn, form)(3, process_group=group).half()
+    if form == "SyncBatchNormAct":
+        layer.activation = "identity"
+    if path == "portable":
+        fingerprint.IMMEDIATE_DEVICES.discard("cpu")
+    try:
+        with stats._forced_cuda_path() if path == "cuda" else contextlib.nullcontext():
+            layer(x)
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.add("cpu")
+    return x.double(), layer.running_mean.double(), layer.running_var.double()
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct"])
+@pytest.mark.parametrize("path", ["cpu", "cuda", "portable"])
+def test_float16_running_var_of_a_batch_variance_beyond_float16(pool, form, path):
+    """A float16 layer whose batch variance (1.6e5) exceeds float16's largest value while
+    the moved running variance (0.9 + 0.1 * 1.6e5) does not: torch.nn.BatchNorm2d computes
+    the update in float32 and stores a finite value; the synchronized paths rounded the
+    variance to float16 first (inf) and stored inf, which eval then divides by (every
+    output 0 + bias). Tolerance: the result's float16 rounding (2^-11 relative) and the
+    float32 statistics (~1e-6 relative), rtol 2e-3; atol 1e-3 for the mean (~4), whose
+    float32 error is ~1e-4 of the std (400) times momentum 0.1."""
+    xs, means, variances = zip(*pool.run(half_buffer_job, 2, form, path)[:2])
+    whole = torch.cat(xs)
+    mean = whole.mean((0, 2, 3))
+    var = whole.var((0, 2, 3), unbiased=True)
+    assert var.min() > 65504  # the case: the batch variance itself is not a float16
+    expected_mean, expected_var = 0.1 * mean, 0.9 + 0.1 * var
+    torchs = torch.nn.BatchNorm2d(3).half()
+    torchs(whole.half())
+    for got_mean, got_var in [*zip(means, variances), (torchs.running_mean.double(), torchs.running_var.double())]:
+        torch.testing.assert_close(got_var, expected_var, rtol=2e-3, atol=0)
+        torch.testing.assert_close(got_mean, expected_mean, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("activation", ["identity", "leaky_relu", "elu"])
+def test_float16_running_var_beyond_float16_in_one_process(activation):
+    """The same case in one process: SyncBatchNormAct on a float16 input takes the general
+    path without collectives (its local kernels take float32/float64 only), which stored
+    inf; torch's BatchNorm2d stores the finite moved variance. Same tolerance as above."""
+    import syncbn
+
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 3, 4, 5, generator=gen, dtype=torch.float64) * 400 + 30).half()
+    ours = syncbn.SyncBatchNormAct(3, activation=activation).half()
+    torchs = torch.nn.BatchNorm2d(3).half()
+    ours(x)
+    torchs(x)
+    assert torch.isfinite(torchs.running_var).all()
+    torch.testing.assert_close(ours.running_var.double(), torchs.running_var.double(), rtol=2e-3, atol=0)
+    torch.testing.assert_close(ours.running_mean.double(), torchs.running_mean.double(), rtol=2e-3, atol=1e-3)

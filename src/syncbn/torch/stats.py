@@ -343,10 +343,10 @@ def update_running_stats(running_mean, running_var, mean, var, count, momentum, 
     cumulative average); the variance written is unbiased with the global count. ``ok``
     (a 0-d bool tensor, see :func:`move_buffer`) gates the update on the device."""
     if running_mean is not None:
-        move_buffer(running_mean, mean.to(running_mean.dtype), momentum, ok)
+        move_buffer(running_mean, mean, momentum, ok)
     if running_var is not None:
         unbiased = var * (count / (count - 1))
-        move_buffer(running_var, unbiased.to(running_var.dtype), momentum, ok)
+        move_buffer(running_var, unbiased, momentum, ok)
 
 
 def move_buffer(buffer, value, momentum, ok=None, moved=None) -> None:
@@ -355,7 +355,21 @@ def move_buffer(buffer, value, momentum, ok=None, moved=None) -> None:
     read; a lerp by 0 would still write NaN from a non-finite value). ``moved``: the lerp,
     computed already. A 0-d tensor ``momentum`` is cast to the buffer's dtype first: torch
     2.4's lerp takes no weight of another dtype, and newer ones cast it to that dtype anyway
-    (bit for bit the same)."""
+    (bit for bit the same).
+
+    ``value`` of another dtype than the buffer is cast to it, except into a float16 or
+    bfloat16 buffer: there the lerp is computed in ``value``'s wider dtype and rounded once,
+    as torch's batch norm kernels compute the update in float32, so that a value beyond
+    float16's range (a batch variance above 65504) whose moved result fits stores finite."""
+    if moved is None and value.dtype != buffer.dtype:
+        if buffer.dtype in _HALF and torch.finfo(value.dtype).bits > torch.finfo(buffer.dtype).bits:
+            weight = momentum.to(value.dtype) if isinstance(momentum, torch.Tensor) else momentum
+            moved = torch.lerp(buffer.to(value.dtype), value, weight).to(buffer.dtype)
+            if ok is None:
+                buffer.copy_(moved)
+                return
+        else:
+            value = value.to(buffer.dtype)
     if isinstance(momentum, torch.Tensor):
         momentum = momentum.to(buffer.dtype)
     if ok is None:
@@ -692,7 +706,7 @@ def update_running_buffers(running_mean, running_var, mean, unbiased, momentum, 
         return
     if isinstance(momentum, torch.Tensor) or any(b.dtype != v.dtype for b, v in pairs):
         for buffer, value in pairs:
-            move_buffer(buffer, value.to(buffer.dtype), momentum, ok)
+            move_buffer(buffer, value, momentum, ok)  # half buffers: moved in the wider dtype
         return
     buffers, values = [b for b, _ in pairs], [v for _, v in pairs]
     if ok is None:
