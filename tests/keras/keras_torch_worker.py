@@ -168,6 +168,155 @@ def check_convert_modes_where_the_copy_differs(info):
     info["convert_modes_where_the_copy_differs"] = result
 
 
+def check_convert_torch_module_wrapper(info):
+    """convert/revert on the torch backend of custom layers holding a
+    ``keras.layers.TorchModuleWrapper``, whose config carries the wrapped torch module
+    pickled, torch modes included. ``modes``: a wrapped sub-module in eval mode (a Dropout,
+    a BatchNorm1d holding running statistics), the whole wrapped module in eval mode, and a
+    Functional model in a mixed state are copied (no "configured otherwise" refusal), every
+    torch module of the copy in the original's mode, every parameter and buffer alike, and
+    the outputs alike in inference and training calls (one seed for the Dropouts).
+    ``refused``: a wrapped module that the copy, made from the config, builds otherwise (a
+    Dropout rate, a ReLU added, by constructor arguments that get_config() leaves out) is
+    still refused, also with a sub-module in eval mode."""
+    import warnings
+
+    import keras
+    import torch
+
+    from syncbn.keras import convert, revert
+
+    nn = torch.nn
+
+    class Wrapping(keras.layers.Layer):
+        def __init__(self, kind="dropout", **kwargs):
+            super().__init__(**kwargs)
+            self.kind = kind
+            tail = nn.Dropout(0.1) if kind == "dropout" else nn.BatchNorm1d(4)
+            self.wrap = keras.layers.TorchModuleWrapper(nn.Sequential(nn.Linear(4, 4), tail))
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.bn(self.wrap(x))
+
+        def get_config(self):
+            return {**super().get_config(), "kind": self.kind}
+
+    class Forgetful(keras.layers.Layer):
+        def __init__(self, rate=0.1, relu=False, **kwargs):
+            super().__init__(**kwargs)
+            parts = [nn.Linear(4, 4), nn.Dropout(rate)] + ([nn.ReLU()] if relu else [])
+            self.wrap = keras.layers.TorchModuleWrapper(nn.Sequential(*parts))
+
+        def call(self, x):
+            return self.wrap(x)
+
+        def get_config(self):
+            return super().get_config()  # ``rate`` and ``relu`` left out
+
+    keras.utils.set_random_seed(7)  # the same initial weights on every run
+    rng = np.random.default_rng(7)
+    x = torch.tensor(rng.standard_normal((6, 4)).astype(np.float32))
+
+    def built(layer):
+        layer(x)  # builds it; through a BatchNorm1d, moves its running statistics off 0 and 1
+        return layer
+
+    def dropout_eval():
+        layer = built(Wrapping("dropout", name="layer"))
+        layer.wrap.module[1].eval()
+        return layer
+
+    def batchnorm_eval():
+        layer = built(Wrapping("batchnorm", name="layer"))
+        layer.wrap.module[1].eval()
+        return layer
+
+    def all_eval():
+        layer = built(Wrapping("batchnorm", name="layer"))
+        layer.wrap.module.eval()
+        return layer
+
+    def mixed_model():
+        inputs = keras.Input((4,))
+        first, second = Wrapping("batchnorm", name="first"), Wrapping("dropout", name="second")
+        h = keras.layers.Dense(4, name="dense")(second(first(inputs)))
+        model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(h), name="model")
+        built(model)
+        model.eval()  # the model in eval mode, with these back in train mode:
+        first.wrap.module[1].train()  # a wrapped BatchNorm1d in a layer in eval mode
+        second.train()  # a layer, whose wrapped Dropout is in eval mode again
+        second.wrap.module[1].eval()
+        model.get_layer("dense").train()
+        return model
+
+    def layers(root):  # the Keras layers of its tree, in order (as convert pairs them)
+        return list(root._flatten_layers(include_self=True, recursive=True))
+
+    def modes(root):  # each layer's torch mode, with those of the torch modules a wrapper holds
+        return [[layer.training, [[type(m).__name__, m.training] for m in layer.module.modules()]
+                 if isinstance(layer, keras.layers.TorchModuleWrapper) else None] for layer in layers(root)]
+
+    def state(root):  # the weights in order, and the wrapped modules' buffers (running statistics)
+        return [np.array(w.numpy()) for w in root.weights] + [
+            v.detach().numpy().copy() for layer in layers(root) if isinstance(layer, keras.layers.TorchModuleWrapper)
+            for v in layer.module.buffers()]
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
+
+    result = {"modes": {}, "refused": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, make in (("dropout eval", dropout_eval), ("batchnorm eval", batchnorm_eval),
+                            ("all eval", all_eval), ("mixed model", mixed_model)):
+            root = make()
+            try:
+                made = {"convert": convert(root), "revert": revert(convert(root))}
+            except ValueError as err:
+                result["modes"][label] = {"error": str(err)}
+                continue
+            entry = {"original": modes(root)}
+            for step, copy in made.items():
+                entry[step] = modes(copy)  # before any call, which sets the modes anew
+            want = state(root)
+            entry["state"] = {step: same(want, state(copy)) for step, copy in made.items()}
+            outputs = {}
+            for call, training in (("inference", False), ("training", True), ("no argument", None)):
+                got = {}
+                for step, layer in (("original", root), *made.items()):
+                    torch.manual_seed(11)  # the same Dropout draws for each
+                    y = layer(x) if training is None else layer(x, training=training)
+                    got[step] = y.detach().numpy().astype(np.float64)
+                outputs[call] = {"largest": float(np.max(np.abs(got["original"]))), **{
+                    step: float(np.max(np.abs(got[step] - got["original"]))) for step in made}}
+            entry["outputs"] = outputs
+            # after the training calls, which moved the running statistics: the wrapped modules'
+            # alike (the same computation); the Keras batch norms' as their outputs are
+            want = state(root)
+            entry["state after"] = {step: max(float(np.max(np.abs(a.astype(np.float64) - b)))
+                                              for a, b in zip(want, state(copy))) for step, copy in made.items()}
+            want = [layer.module.state_dict() for layer in layers(root)
+                    if isinstance(layer, keras.layers.TorchModuleWrapper)]
+            entry["wrapped after"] = {step: [{k: bool(torch.equal(v, got[k])) for k, v in w.items()} == {
+                k: True for k in w} for w, got in zip(want, [layer.module.state_dict() for layer in layers(copy)
+                                                             if isinstance(layer, keras.layers.TorchModuleWrapper)])]
+                                      for step, copy in made.items()}
+            result["modes"][label] = entry
+
+        for label, kwargs, evaluated in (("rate", {"rate": 0.5}, False), ("relu", {"relu": True}, False),
+                                         ("rate, dropout eval", {"rate": 0.5}, True)):
+            layer = built(Forgetful(name="forgetful", **kwargs))
+            if evaluated:
+                layer.wrap.module[1].eval()
+            try:
+                convert(layer)
+                result["refused"][label] = "no error"
+            except ValueError as err:
+                result["refused"][label] = str(err)
+    info["convert_torch_module_wrapper"] = result
+
+
 def check_second_order(info, rank, calls):
     """A gradient penalty (backward with create_graph=True) raises a RuntimeError that
     names the problem on both ranks, after the forward all-reduce and before any
@@ -246,6 +395,7 @@ def main():
     check_local(info)
     check_convert_modes(info)
     check_convert_modes_where_the_copy_differs(info)
+    check_convert_torch_module_wrapper(info)
 
     dist.init_process_group("gloo", rank=args.rank, world_size=2)
     calls = []

@@ -129,3 +129,64 @@ def test_convert_keeps_torch_modes_where_the_copy_differs(run):
                     assert "drop" in want[name] and "drop" not in got[name], (label, step, result)
                     want = {**want, name: {k: v for k, v in want[name].items() if k != "drop"}}
                 assert got[name] == want[name], (label, name, step, result)
+
+
+def _wrapper_result(run):
+    return json.loads((run / "info-0.json").read_text())["convert_torch_module_wrapper"]
+
+
+def test_convert_copies_a_torch_module_wrapper_whose_modules_are_in_eval_mode(run):
+    """A custom layer holding a TorchModuleWrapper whose wrapped torch module has a
+    sub-module in eval mode (a Dropout, a BatchNorm1d), or is all in eval mode, and a
+    Functional model of such layers in a mixed state, are copied: the config's pickled
+    module carries the torch modes, which are no configuration. Every layer of the copy,
+    and every torch module its wrappers hold, is in the original's mode; the weights and
+    the wrapped modules' buffers (running statistics) are the original's."""
+    result = _wrapper_result(run)["modes"]
+    assert set(result) == {"dropout eval", "batchnorm eval", "all eval", "mixed model"}, result
+    for label, entry in result.items():
+        assert "error" not in entry, (label, entry.get("error"))
+        wrapped = [mode for _, held in entry["original"] if held for _, mode in held]
+        assert False in wrapped, (label, entry["original"])  # not vacuous: a wrapped module in eval mode
+        if label == "mixed model":
+            assert entry["original"][0][0] is False and True in wrapped, entry["original"]
+        for step in ("convert", "revert"):
+            assert entry[step] == entry["original"], (label, step, entry)
+            assert entry["state"][step] is True, (label, step)
+
+
+def test_convert_of_a_torch_module_wrapper_computes_as_the_original(run):
+    """The copies of those layers give the original's outputs in inference and training
+    calls (one seed for the Dropouts), and their training calls move the wrapped
+    BatchNorm1d's running statistics exactly as the original's do. The reverted copy has
+    Keras's BatchNormalization, computing exactly as the original: equal to the bit. The
+    converted one has SyncBatchNormalization, which (not distributed) computes the same
+    float32 batch statistics over n = 6 rows in another order: each statistic within a few
+    n * 2**-24 relative, so an output within c * n * 2**-24 * (|normalized| + |mean| / std),
+    taken here, with c = 32 and |mean| / std of order one, as 32 * 6 * 2**-24 * (1 + the
+    largest output); a copy in another state is off by orders of magnitude more."""
+    result = _wrapper_result(run)["modes"]
+    for label, entry in result.items():
+        for call, diffs in entry["outputs"].items():
+            tol = 32 * 6 * 2.0 ** -24 * (1 + diffs["largest"])
+            assert diffs["revert"] == 0.0, (label, call, diffs)
+            assert 0.0 <= diffs["convert"] <= tol, (label, call, diffs, tol)  # NaN fails both
+        assert entry["state after"]["revert"] == 0.0, (label, entry["state after"])
+        assert 0.0 <= entry["state after"]["convert"] <= 32 * 6 * 2.0 ** -24 * 2, (label, entry["state after"])
+        for step in ("convert", "revert"):
+            assert entry["wrapped after"][step] and all(entry["wrapped after"][step]), (label, step, entry)
+
+
+def test_convert_still_refuses_a_torch_module_wrapper_configured_otherwise(run):
+    """A wrapped torch module that the copy, made from its owner's config, builds otherwise
+    (another Dropout rate, a ReLU added: constructor arguments that get_config() leaves
+    out; state of the same shapes, so nothing else would notice) is refused, naming the
+    sub-module that differs, also when a sub-module of it is in eval mode."""
+    result = _wrapper_result(run)["refused"]
+    for label, differs in (("rate", "has (1): Dropout(p=0.5, inplace=False); the copy's has (1): Dropout(p=0.1"),
+                           ("relu", "has (2): ReLU(); the copy's has nothing"),
+                           ("rate, dropout eval", "has (1): Dropout(p=0.5, inplace=False); the copy's has (1)")):
+        message = result[label]
+        assert "has sub-layers configured otherwise" in message, (label, message)
+        assert "forgetful/wrap (TorchModuleWrapper): module (the wrapped torch module " + differs in message, (
+            label, message)

@@ -71,7 +71,10 @@ def convert(model):
     it. A sub-layer's ``trainable`` flag (a frozen backbone) and LoRA enabled on it are
     given to its copy; one whose config differs otherwise in the copy (assigned again
     before building with other arguments, quantized) raises ``ValueError``, naming it and
-    the entries, as the copy would compute something else. A layer held in two places (an
+    the entries, as the copy would compute something else (on the torch backend, the torch
+    module that a ``keras.layers.TorchModuleWrapper``'s config carries pickled is compared
+    without its train/eval modes, which the copy takes from the original's, module by
+    module). A layer held in two places (an
     ``Embedding`` that a custom layer projects onto, for weight tying) stays one layer in
     the copy where its holder returns it in ``get_config()`` through
     ``keras.saving.serialize_keras_object`` (as a ``.keras`` file keeps it; ``clone_model``
@@ -811,7 +814,9 @@ def _config_differences(a, b) -> list:
     (a layer's own and those of the layers a config holds, which a constructor that does
     not name its sub-layers makes afresh), ``synchronized`` (between BatchNormalization
     and SyncBatchNormalization), the layers of a plain Sequential or Functional model
-    (compared each as a layer of the tree, their names and connections aside). Where
+    (compared each as a layer of the tree, their names and connections aside), the torch
+    train/eval modes in the pickled module of a ``TorchModuleWrapper``'s config
+    (:class:`_TorchModuleModesAside`; the copy takes them, :func:`_keep_torch_modes`). Where
     either config cannot be had (a sub-layer no file could save either), nothing."""
     if _is_plain_graph_model(a):
         return []
@@ -823,15 +828,97 @@ def _config_differences(a, b) -> list:
         config_a, config_b = dict(config_a), dict(config_b)
         config_a.pop("synchronized", None)
         config_b.pop("synchronized", None)
+    if _wraps_torch_module(a) and _wraps_torch_module(b) and "module" in config_a and "module" in config_b:
+        # the pickled module, torch modes included: compared without them (_keep_torch_modes gives those)
+        config_a, config_b = dict(config_a), dict(config_b)
+        config_a["module"] = _TorchModuleModesAside(a.module, config_a["module"])
+        config_b["module"] = _TorchModuleModesAside(b.module, config_b["module"])
     differing = []
     for key, _, _ in _differences(config_a, config_b, "", top=True):
         top = key.split(".")[0].split("[")[0]
         if top not in [d[0] for d in differing]:
             differing.append((top, config_a.get(top, _MISSING), config_b.get(top, _MISSING)))
-    return [f"{key} ({_short(x)}; the copy has {_short(y)})" for key, x, y in differing]
+    return [_torch_module_difference(key, x, y) if isinstance(x, _TorchModuleModesAside)
+            and isinstance(y, _TorchModuleModesAside) else f"{key} ({_short(x)}; the copy has {_short(y)})"
+            for key, x, y in differing]
 
 
 _MISSING = type("_Missing", (), {"__repr__": lambda self: "nothing"})()
+
+
+def _wraps_torch_module(layer) -> bool:
+    """Whether ``layer`` is a ``keras.layers.TorchModuleWrapper`` (torch backend) holding a
+    torch module, which its config carries pickled (``torch.save``), torch modes included."""
+    wrapper = getattr(keras.layers, "TorchModuleWrapper", None)
+    if wrapper is None or keras.backend.backend() != "torch" or not isinstance(layer, wrapper):
+        return False
+    import torch
+
+    return isinstance(getattr(layer, "module", None), torch.nn.Module)
+
+
+class _TorchModuleModesAside:
+    """The ``module`` entry of a ``TorchModuleWrapper``'s config (the wrapped torch module,
+    pickled by ``torch.save``) as :func:`_config_differences` compares it: everything the
+    pickle holds (the modules' classes, their hyper-parameters, parameters and buffers) but
+    each module's ``training`` flag, which is torch's train/eval mode, not configuration
+    (``module.eval()``, or a sub-module's, changes only it). The copy takes the original's
+    modes, module by module, from :func:`_keep_torch_modes`.
+
+    The pickle compared is that of a deep copy of the module with every module's
+    ``training`` flag set to True (the flag itself: no ``train()`` method of the user's
+    runs); the module itself is left as it is. Where no such copy can be made or saved,
+    the pickle from the config (``saved``), modes included, is compared as it is: a
+    mode may then refuse a copy that differs in nothing else, never let through one that
+    differs in more."""
+
+    __hash__ = None
+
+    def __init__(self, module, saved):
+        import copy
+        import io
+
+        import torch
+
+        self.text = repr(module)
+        try:
+            twin = copy.deepcopy(module)
+            for sub in twin.modules():
+                sub.training = True
+            buffer = io.BytesIO()
+            torch.save(twin, buffer)
+            self.key = ("modes aside", buffer.getvalue())
+        except Exception:
+            self.key = ("as saved", saved)
+
+    def __eq__(self, other):
+        return isinstance(other, _TorchModuleModesAside) and self.key == other.key
+
+    def __repr__(self):
+        return " ".join(self.text.split())
+
+
+def _torch_module_difference(key, a, b) -> str:
+    """``key (...)`` naming where two wrapped torch modules (:class:`_TorchModuleModesAside`)
+    differ: the first lines of their reprs that differ (a sub-module's hyper-parameters, one
+    that only one of them holds), or, where the reprs are alike, that the pickles differ."""
+    import difflib
+
+    def cut(text):
+        return text if len(text) <= 100 else text[:97] + "..."
+
+    lines_a = [line.strip() for line in a.text.splitlines()]
+    lines_b = [line.strip() for line in b.text.splitlines()]
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=lines_a, b=lines_b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            x, y = " ".join(lines_a[i1:i2]) or "nothing", " ".join(lines_b[j1:j2]) or "nothing"
+            return f"{key} (the wrapped torch module has {cut(x)}; the copy's has {cut(y)})"
+    if "as saved" in (a.key[0], b.key[0]):
+        return (f"{key} (the wrapped torch module {cut(repr(a))}, pickled otherwise in the copy, "
+                "where its torch train/eval modes count too, as it could not be deep-copied to compare it "
+                "without them: call train() on it before converting, and eval() on the copy's as needed)")
+    return (f"{key} (the wrapped torch module {cut(repr(a))}, pickled otherwise in the copy: "
+            "in an attribute or hyper-parameter that its repr does not show)")
 
 
 def _short(value) -> str:
