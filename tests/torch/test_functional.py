@@ -398,7 +398,8 @@ def half_buffer_job(world, form, path):
     if path == "portable":
         fingerprint.IMMEDIATE_DEVICES.discard("cpu")
     try:
-        with stats._forced_cuda_path() if path == "cuda" else contextlib.nullcontext():
+        forced = {"cuda": stats._forced_cuda_path, "triton": stats._forced_triton_path}.get(path)
+        with forced() if forced else contextlib.nullcontext():
             layer(x)
     finally:
         fingerprint.IMMEDIATE_DEVICES.add("cpu")
@@ -415,7 +416,12 @@ def test_float16_running_var_of_a_batch_variance_beyond_float16(pool, form, path
     output 0 + bias). Tolerance: the result's float16 rounding (2^-11 relative) and the
     float32 statistics (~1e-6 relative), rtol 2e-3; atol 1e-3 for the mean (~4), whose
     float32 error is ~1e-4 of the std (400) times momentum 0.1."""
-    xs, means, variances = zip(*pool.run(half_buffer_job, 2, form, path)[:2])
+    check_half_buffers(pool.run(half_buffer_job, 2, form, path)[:2])
+
+
+def check_half_buffers(results):
+    """The ranks' running buffers (and torch's on the whole batch) against the float64 ones."""
+    xs, means, variances = zip(*results)
     whole = torch.cat(xs)
     mean = whole.mean((0, 2, 3))
     var = whole.var((0, 2, 3), unbiased=True)

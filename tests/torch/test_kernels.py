@@ -511,3 +511,12 @@ def test_inputs_the_kernels_do_not_take_fall_back_to_torch_ops(triton_pool):
         assert strided[-1] == 0 and dense[-1] > 0
         for a, b in zip(strided[:-1], dense[:-1]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct"])
+def test_float16_running_var_of_a_batch_variance_beyond_float16(triton_pool, form):
+    """test_functional's case (a float16 layer, batch variance 1.6e5 > 65504) on the
+    kernels: the merge moves the buffers in float64 and stores a finite float16 value."""
+    from test_functional import check_half_buffers, half_buffer_job
+
+    check_half_buffers(triton_pool.run(half_buffer_job, 2, form, "triton")[:2])
