@@ -789,6 +789,76 @@ def axis_forms_follow_flax():
     return info
 
 
+def same_non_finite(label, got, want, tol):
+    """NaN, +inf and -inf at the same places, the finite values within ``tol``."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (label, got.shape, want.shape)
+    for kind in (np.isnan, np.isposinf, np.isneginf):
+        assert np.array_equal(kind(got), kind(want)), (label, kind.__name__, got, want)
+    finite = np.isfinite(want)
+    return assert_close(label, got[finite], want[finite], tol) if finite.any() else 0.0
+
+
+@check("x32")
+def non_finite_inputs_follow_flax():
+    """Non-finite elements give the statistics Flax's layer gives (its default, one-pass
+    mode; its two-pass mode gives the same means): per channel, +inf among finite values
+    gives mean +inf and variance NaN, -inf mean -inf, both infinities or a NaN a NaN mean,
+    float32 values whose sum overflows (3e38 each) mean +inf, a NaN excluded by the mask
+    nothing; the output is NaN exactly where Flax's is and equal elsewhere. Linen and nnx
+    on one device, and linen under pmap over 2 devices (without the mask; the infinities
+    on one device)."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    import syncbn.flax as sf
+    import syncbn.flax.nnx as snnx
+
+    inf, nan = np.inf, np.nan
+    # channels: finite, +inf, -inf, both, NaN, overflowing sum, NaN masked out
+    x = np.array([[1.0, 1.0, 1.0, inf, 1.0, 3e38, nan],
+                  [2.0, inf, 2.0, 2.0, nan, 3e38, 5.0],
+                  [4.0, 3.0, -inf, -inf, 2.0, 3e38, 6.0],
+                  [3.0, 2.0, 3.0, 1.0, 3.0, 3e38, 9.0]], np.float32)
+    mask = np.ones(x.shape, bool)
+    mask[0, 6] = False
+    x, mask = jnp.asarray(x), jnp.asarray(mask)
+    channels = x.shape[1]
+    info = {}
+    v = nn.BatchNorm().init(jax.random.PRNGKey(0), x, use_running_average=False)
+    v = redraw(v, 81)
+    for fast in (True, False):
+        got = sf.BatchNorm(momentum=MOMENTUM).apply(v, x, use_running_average=False, mask=mask,
+                                                    mutable=["batch_stats"])
+        want = nn.BatchNorm(momentum=MOMENTUM, use_fast_variance=fast).apply(
+            v, x, use_running_average=False, mask=mask, mutable=["batch_stats"])
+        keys = ("mean", "var") if fast else ("mean",)  # two-pass: inf for the overflowing sum's variance
+        for k in keys:
+            info[f"linen {k} fast={fast}"] = same_non_finite(
+                f"linen {k} fast={fast}", got[1]["batch_stats"][k], want[1]["batch_stats"][k], TOL["float32"])
+        if fast:
+            info["linen y"] = same_non_finite("linen y", got[0], want[0], TOL["float32"])
+    ours, theirs = snnx.BatchNorm(channels, momentum=MOMENTUM, rngs=nnx.Rngs(0)), nnx.BatchNorm(
+        channels, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    info["nnx y"] = same_non_finite("nnx y", ours(x, mask=mask), theirs(x, mask=mask), TOL["float32"])
+    for k in ("mean", "var"):
+        info[f"nnx {k}"] = same_non_finite(f"nnx {k}", getattr(ours, k)[...], getattr(theirs, k)[...], TOL["float32"])
+
+    def pmapped(model):  # no mask: with uneven counts Flax's pmean of the devices' means is not the mean
+        def replica(x):
+            y, upd = model.apply(v, x, mutable=["batch_stats"])
+            return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+        return jax.pmap(replica, axis_name=AXIS, devices=jax.devices()[:DEVICES])(x.reshape(DEVICES, -1, channels))
+
+    kw = dict(use_running_average=False, axis_name=AXIS, momentum=MOMENTUM)
+    got, want = pmapped(sf.BatchNorm(**kw)), pmapped(nn.BatchNorm(**kw))
+    for name, a, b in zip(("y", "mean", "var"), got, want):
+        info[f"pmap {name}"] = same_non_finite(f"pmap {name}", a, b, TOL["float32"])
+    return info
+
+
 # ----------------------------------------------------------------------------- Flax's tests
 
 

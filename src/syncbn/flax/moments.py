@@ -35,7 +35,9 @@ accurate; only the single all-reduce is not promised then).
 
 A device whose elements are all masked contributes zeros and is exact. When no element
 of a channel is valid anywhere (N = 0) its mean and variance are NaN, as in
-``flax.linen.BatchNorm`` (the mean of nothing); N = 1 gives variance 0.
+``flax.linen.BatchNorm`` (the mean of nothing); N = 1 gives variance 0. A NaN among the
+valid elements gives NaN statistics; an infinite one (or a float32 sum that overflows)
+an infinite mean and a NaN variance, as Flax's.
 
 Complex inputs are normalized as Flax does: the mean is complex and the variance real,
 ``mean(|x - mean|**2)`` (the variances of the real and imaginary parts added). Each
@@ -273,7 +275,10 @@ def union_moments(x, mask, reduction_axes: Sequence[int], dtype, axis_name: Axis
         safe = jnp.maximum(n64, 1.0)
         # per part (real; or real and imaginary): corrected mean; M2 of all parts together
         a64 = [p.astype(wide) for p in parts(a)]
-        mean_r = [c.astype(wide) + s / safe for c, s in zip(parts(m1), a64)]
+        # an infinite first guess (an infinite element, or a sum past the dtype's range) is
+        # the mean, as Flax's sum / n gives it: its correction would be inf - inf = NaN
+        mean_r = [jnp.where(jnp.isinf(c), c, c.astype(wide) + s / safe).astype(wide)
+                  for c, s in zip(parts(m1), a64)]
         m2_r = jnp.maximum(b.astype(wide) - sum(s * s for s in a64) / safe, 0.0)
         # (group, piece, *features): the sum over groups is the only reduction that may cross
         # devices. Stacked on a new axis, not concatenated along a feature axis: there may be
