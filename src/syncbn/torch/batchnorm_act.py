@@ -885,14 +885,16 @@ class SyncBatchNormAct(_SyncNormBase):
                     "Function). Put the layer in eval mode, or use syncbn.revert_sync_batchnorm(model) "
                     "to get BatchNorm + activation modules for this computation."
                 )
-        elif not local_plain and (distributed.transforming() or distributed.exporting()
+        elif not local_plain and (distributed.transforming() or distributed.exporting() or distributed.tracing()
                                   or _dual(input, self.weight, self.bias)):
             # one process under a capture that cannot hold the layer's own autograd Function
-            # (a torch.func transform, forward-mode AD, torch.export): F.batch_norm and the
-            # activation, exactly what BatchNorm + activation compute (and what the capture
-            # takes or refuses as it does them), without the memory saving; the activation
-            # out of place, as an activation module computes it (ELU's in-place backward
-            # reads its output: other roundings)
+            # (a torch.func transform, forward-mode AD, torch.export) or would keep this
+            # call's host-read choices as constants (torch.jit.trace: the kept channels, the
+            # general path's shapes): F.batch_norm and the activation, exactly what
+            # BatchNorm + activation compute (and what the capture takes or refuses as it
+            # does them), without the memory saving; the activation out of place, as an
+            # activation module computes it (ELU's in-place backward reads its output:
+            # other roundings)
             local_plain = captured = True
         if not syncing and input.numel() == 0:
             local_plain = True  # an empty batch on one process: as torch.nn does it
