@@ -859,6 +859,63 @@ def non_finite_inputs_follow_flax():
     return info
 
 
+@check("x32")
+def complex_input_real_statistics_follows_flax():
+    """A complex64 input with a real ``dtype`` (float32, bfloat16): Flax takes real
+    statistics of its real part, normalizes the complex input and casts the output to the
+    real dtype. With complex64 parameters the imaginary part of the input reaches the
+    output (Re((x - mean) * rsqrt(var + eps) * scale)), and the real statistics pass a real
+    cotangent back. Output, running statistics and the gradients of x, scale and bias (a
+    real output cotangent and cotangents on the running statistics) equal Flax's two-pass
+    layer's on one device and under pmap over 2 devices (Flax's pmean of the devices'
+    means is the mean here: equal counts), for real and complex parameters. Bounds: TOL of
+    the output's dtype for y, float32 rounding (TOL) for the rest."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    info = {}
+    x = sample("complex64", (4 * DEVICES, 3), 91)
+    rng = np.random.default_rng(92)
+    for dtype, param_dtype in ((jnp.float32, jnp.complex64), (jnp.bfloat16, jnp.complex64), (jnp.float32, jnp.float32)):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, momentum=MOMENTUM, use_running_average=False)
+        v = redraw(nn.BatchNorm(**kw).init(jax.random.PRNGKey(0), x), 93)
+        y_dtype = jnp.dtype(dtype)
+        dy = jnp.asarray(rng.standard_normal(x.shape), y_dtype)
+        d_stats = {k: jnp.asarray(rng.standard_normal(3), jnp.float32) for k in ("mean", "var")}
+
+        def grads(model, axis_name=None):
+            def step(x, params):
+                y, upd = model.apply({**v, "params": params}, x, mutable=["batch_stats"])
+                return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
+
+            if axis_name is None:
+                out, pullback = jax.vjp(step, x, v["params"])
+                return out, pullback((dy, d_stats["mean"], d_stats["var"]))
+            halves = x.reshape(DEVICES, -1, 3)
+            mapped = jax.pmap(step, axis_name=AXIS, in_axes=(0, None), devices=jax.devices()[:DEVICES])
+            (y, mean, var), pullback = jax.vjp(mapped, halves, v["params"])
+            cts = (dy.reshape(halves.shape), *(jnp.stack([d_stats[k]] * DEVICES) / DEVICES for k in ("mean", "var")))
+            dx, dparams = pullback(cts)
+            return (y.reshape(x.shape), mean[0], var[0]), (dx.reshape(x.shape), dparams)
+
+        label = f"dtype={y_dtype.name} param_dtype={jnp.dtype(param_dtype).name}"
+        for where, axis_name in (("one device", None), ("pmap", AXIS)):
+            got = grads(sf.BatchNorm(axis_name=axis_name, **kw), axis_name)
+            want = grads(nn.BatchNorm(axis_name=axis_name, use_fast_variance=False, **kw), axis_name)
+            (y, mean, var), (dx, dparams) = got
+            (wy, wmean, wvar), (wdx, wparams) = want
+            assert y.dtype == wy.dtype == y_dtype and dx.dtype == wdx.dtype == x.dtype, (label, y.dtype, dx.dtype)
+            info[f"{label} {where} y"] = assert_close(f"{label} {where} y", y, wy, tol_for(y_dtype))
+            assert_close(f"{label} {where} mean", mean, wmean, TOL["float32"])
+            assert_close(f"{label} {where} var", var, wvar, TOL["float32"])
+            info[f"{label} {where} dx"] = assert_close(f"{label} {where} dx", dx, wdx, TOL["float32"])
+            for k in ("scale", "bias"):
+                assert_close(f"{label} {where} d{k}", dparams[k], wparams[k], TOL["float32"])
+    return info
+
+
 # ----------------------------------------------------------------------------- Flax's tests
 
 

@@ -238,6 +238,10 @@ def _batch_norm_bwd(config, residuals, cotangents):
     dx = rstd_b * (gamma * dy)
     stat = (expand(g1 * inv_n) + xc * expand(g2 * inv_n)) * rstd_b
     stat = stat - expand(totals["g_mean"] * inv_n) - xc * expand(2.0 * totals["g_var"] * inv_n / rstd)
+    if is_complex(x.dtype) and not is_complex(xhat.dtype):
+        # real statistics of a complex input (a real `dtype`: they are of its real part):
+        # they pass back a real cotangent, the real part of what complex parameters give
+        stat = jnp.real(stat)
     dx = dx - (stat if valid is None else jnp.where(valid, stat, 0))
     dx = cast(dx, x.dtype)
 
