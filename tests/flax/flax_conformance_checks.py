@@ -916,6 +916,49 @@ def complex_input_real_statistics_follows_flax():
     return info
 
 
+@check("x32")
+def empty_batch_follows_flax():
+    """A batch with an axis of size 0 (no element at all), linen and nnx: an empty output
+    of Flax's shape and dtype, NaN batch statistics as Flax's (the mean of nothing), and
+    parameter gradients 0, the exact gradient of outputs that do not exist (docs/flax.md:
+    Flax's scale gradient is NaN there, its empty sum times a NaN rsqrt(var + eps))."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    import syncbn.flax as sf
+    import syncbn.flax.nnx as snnx
+
+    info = {}
+    for shape in ((0, 3), (4, 0, 3)):
+        x = jnp.zeros(shape, jnp.float32)
+        v = nn.BatchNorm().init(jax.random.PRNGKey(0), x, use_running_average=False)
+
+        def loss(model):
+            def f(x, params):
+                y, upd = model.apply({**v, "params": params}, x, use_running_average=False, mutable=["batch_stats"])
+                return jnp.sum(y), (y, upd["batch_stats"])
+            return jax.grad(f, argnums=(0, 1), has_aux=True)(x, v["params"])
+
+        (dx, dparams), (y, stats) = loss(sf.BatchNorm(momentum=MOMENTUM))
+        _, (want_y, want_stats) = loss(nn.BatchNorm(momentum=MOMENTUM))
+        assert y.shape == want_y.shape == shape and y.dtype == want_y.dtype, (shape, y.shape, y.dtype)
+        assert dx.shape == shape, dx.shape
+        for k in ("mean", "var"):
+            assert np.isnan(np.asarray(stats[k])).all() and np.isnan(np.asarray(want_stats[k])).all(), (k, stats)
+        for k in ("scale", "bias"):
+            assert np.array_equal(np.asarray(dparams[k]), np.zeros(3)), (k, dparams[k])
+        ours = snnx.BatchNorm(3, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+        theirs = nnx.BatchNorm(3, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+        y_nnx, want_nnx = ours(x), theirs(x)
+        assert y_nnx.shape == want_nnx.shape == shape and y_nnx.dtype == want_nnx.dtype, y_nnx.shape
+        for k in ("mean", "var"):
+            assert np.isnan(np.asarray(getattr(ours, k)[...])).all(), (k, getattr(ours, k)[...])
+            assert np.isnan(np.asarray(getattr(theirs, k)[...])).all()
+        info[str(shape)] = "empty output, NaN statistics, zero parameter gradients"
+    return info
+
+
 # ----------------------------------------------------------------------------- Flax's tests
 
 
