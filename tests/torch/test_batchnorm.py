@@ -389,3 +389,51 @@ def test_synchronized_training_takes_the_dtype_mixes_torch_takes(pool, layer_dty
         assert all("mixed dtype" in message and "SyncBatchNorm" in message for _, message in ranks)
     # and the group is fine afterwards
     assert pool.run(_dtype_mix_job, torch.float32, torch.float32) == [("ok", torch.float32)] * len(ranks)
+
+
+class _TwoNorms(nn.Module):
+    """A small model whose batch norm is called twice (a shared layer) between other modules."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 4, 1), norm
+
+    def forward(self, x):
+        return self.norm(self.norm(self.conv(x)) * 2)
+
+
+@pytest.mark.parametrize("cls", [syncbn.SyncBatchNorm, syncbn.SyncBatchNormAct])
+@pytest.mark.parametrize("training", [True, False])
+def test_fx_symbolic_trace_records_the_layer_as_torchs_batch_norm(cls, training):
+    """torch.fx.symbolic_trace keeps torch.nn's batch norms whole (call_module nodes) and
+    traces into modules defined elsewhere: through syncbn's layers it raised (the input
+    check refused the Proxy). Now each call is one call_module node, as for BatchNorm2d;
+    tracing leaves the running buffers and the batch count alone, and the traced module
+    computes what the model computes (the same calls of the same modules)."""
+    torch.manual_seed(0)
+    model = _TwoNorms(cls(4)).train(training)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    traced = torch.fx.symbolic_trace(model)
+    reference = torch.fx.symbolic_trace(_TwoNorms(nn.BatchNorm2d(4)))
+    assert [(n.op, n.target) for n in traced.graph.nodes] == [(n.op, n.target) for n in reference.graph.nodes]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    twin = _TwoNorms(cls(4)).train(training)
+    twin.load_state_dict(before)
+    x = torch.randn(5, 3, 6, 6)
+    torch.testing.assert_close(traced(x), twin(x), rtol=0, atol=0)
+    for (key, got), want in zip(model.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
+
+
+def test_fx_symbolic_trace_of_the_layer_itself_or_a_subclass_with_more_forward_still_refuses():
+    """Only a call of the layer as a submodule becomes a node: the traced root itself has
+    no name to call it by, and a subclass whose forward adds work (timm's converted
+    BatchNormAct2d) would lose it in one node; both raise as before, naming the Proxy."""
+    from syncbn.torch.timm import SyncBatchNormDropAct
+
+    with_act = SyncBatchNormDropAct(4)
+    with_act.act = nn.ReLU()
+    for model in (syncbn.SyncBatchNorm(4), nn.Sequential(with_act)):
+        with pytest.raises(TypeError, match="Proxy"):
+            torch.fx.symbolic_trace(model)

@@ -9,6 +9,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx import Proxy
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
@@ -64,6 +65,22 @@ class _SyncNormBase(_BatchNorm):
             f"(convert_sync_batchnorm again to go on training). Or, for inference, export the "
             f"eval-mode model as it is with torch.export.export or torch.jit.trace."
         )
+
+    def _fx_leaf(self, input: Proxy, forward):
+        """Under ``torch.fx``'s symbolic tracing: this call recorded as one call of the
+        layer (a ``call_module`` node), as the tracer records ``torch.nn``'s batch norms,
+        which it keeps whole; it traces into every module defined elsewhere, and this
+        forward cannot be traced (it checks and reads values, moves the running buffers).
+        None, to trace on as before, where the layer is the traced root (no name to call it
+        by) or a subclass whose own ``forward`` does more than ``forward``."""
+        if type(self).forward is not forward:
+            return None
+        tracer = input.tracer
+        try:
+            path = tracer.path_of_module(self)
+        except NameError:  # not a submodule of the traced root
+            return None
+        return tracer.create_proxy("call_module", path, (input,), {}) if path else None
 
     def _check_input_dim(self, input: Tensor) -> None:
         # the channel count is checked against the layer's per-channel tensors, as torch's
@@ -146,6 +163,10 @@ class SyncBatchNorm(_SyncNormBase):
     convert_sync_batchnorm: ClassVar[Callable[..., torch.nn.Module]]
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):  # torch.fx.symbolic_trace: one call of the layer
+            node = self._fx_leaf(input, SyncBatchNorm.forward)
+            if node is not None:
+                return node
         self._check_input_dim(input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         # Only a module in training mode communicates; eval with batch statistics stays local.

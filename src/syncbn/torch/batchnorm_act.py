@@ -125,6 +125,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx import Proxy
 
 from . import distributed, fingerprint, stats
 
@@ -862,6 +863,10 @@ class SyncBatchNormAct(_SyncNormBase):
         self.inplace = inplace
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):  # torch.fx.symbolic_trace: one call of the layer
+            node = self._fx_leaf(input, SyncBatchNormAct.forward)
+            if node is not None:
+                return node
         self._check_input_dim(input)
         guard = self.__dict__.get("_syncbn_fusion_guard")
         if guard is not None:  # set by fuse_batchnorm_act: the traced model still holds
