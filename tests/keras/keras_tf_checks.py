@@ -691,6 +691,81 @@ def bad_input_errors():
 
 
 @check
+def traced_without_a_static_channel_size():
+    """A built layer traced by ``tf.function`` with ``None`` for every input dimension
+    (an ``input_signature``, as ``model.export`` and SavedModel serving use) trains as
+    Keras's layer does: the same output and moving statistics as the layer traced with
+    the full shape and as Keras's layer on the whole batch, for channels last and
+    first, masked, renorm, under XLA and over 2 replicas (4 and 2 rows); an input
+    with another channel count then fails when the graph runs, with the shapes named. (The channel size was read from the traced shape: ``None`` made
+    the training call raise a TypeError while building the graph.)"""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(31)
+    info = {}
+    for axis, kwargs, masked, jit, replicas in ((-1, {}, False, False, 1), (1, {}, True, False, 1),
+                                                (-1, {"renorm": True}, True, False, 1), (-1, {}, True, True, 1),
+                                                (1, {}, False, False, 2), (-1, {"renorm": True}, True, False, 2)):
+        what = f"axis {axis} {kwargs} mask {masked} jit {jit} replicas {replicas}"
+        x = (rng.standard_normal((6, 3, 4) if axis == -1 else (6, 4, 3)) * 2 + 5).astype(np.float32)
+        mask = rng.uniform(size=x.shape[:-1]) < 0.6 if masked else None
+        outs = []
+        for signature in ([None, None, None], list(x.shape)):
+            strategy = mirrored(replicas) if replicas > 1 else tf.distribute.get_strategy()
+            with strategy.scope():
+                layer = make_layer(SyncBatchNormalization, 4, 3, np.random.default_rng(32), axis=axis,
+                                   momentum=0.5, **kwargs)
+            specs = [tf.TensorSpec([None] * 3 if signature[0] is None else [None] + signature[1:], tf.float32)]
+            if masked:
+                specs.append(tf.TensorSpec([None, None], tf.bool))
+
+            def call(x, m=None):
+                if replicas > 1:  # this replica's rows: 4 on the first, 2 on the second
+                    rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                    start, end = tf.gather([0, 4], rid), tf.gather([4, 6], rid)
+                    x = x[start:end]
+                    m = None if m is None else m[start:end]
+                return layer(x, training=True, mask=m)
+
+            if replicas > 1:
+                def run(x, m=None):
+                    return strategy.run(call, args=(x,) if m is None else (x, m))
+                step = tf.function(run, input_signature=specs, jit_compile=jit)
+                y = step(*([tf.constant(x)] + ([tf.constant(mask)] if masked else [])))
+                y = np.concatenate(local(strategy, y))
+            else:
+                step = tf.function(call, input_signature=specs, jit_compile=jit)
+                y = step(*([tf.constant(x)] + ([tf.constant(mask)] if masked else []))).numpy()
+            outs.append((y, named_weights(layer), layer, step))
+        (y, w, layer, step), (y_known, w_known, _, _) = outs
+        assert np.all(np.isfinite(y)), what
+        np.testing.assert_allclose(y, y_known, rtol=1e-6, atol=1e-6, err_msg=what)
+        for key, value in w_known.items():
+            np.testing.assert_allclose(w[key], value, rtol=1e-6, atol=1e-7, err_msg=f"{what} {key}")
+        # Keras's layer on the whole batch, eagerly (the synchronized statistics are the
+        # whole batch's; float32 rounding of the two formulas: 1e-5).
+        keras_layer = make_layer(keras.layers.BatchNormalization, 4, 3, np.random.default_rng(32), axis=axis,
+                                 momentum=0.5, **kwargs)
+        want = keras_layer(tf.constant(x), training=True, mask=None if mask is None else tf.constant(mask)).numpy()
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=f"{what} keras")
+        for key, value in named_weights(keras_layer).items():
+            np.testing.assert_allclose(w[key], value, rtol=1e-5, atol=1e-6, err_msg=f"{what} keras {key}")
+        info[what] = float(np.max(np.abs(y - y_known)))
+        if replicas == 1 and not jit:
+            wrong = np.ones((2, 3, 5) if axis == -1 else (2, 5, 3), np.float32)
+            try:
+                step(*([tf.constant(wrong)] + ([tf.ones((2, 3) if axis == -1 else (2, 5), tf.bool)] if masked else [])))
+            except tf.errors.InvalidArgumentError as err:
+                assert "5" in str(err) and "4" in str(err), str(err)
+            else:
+                raise AssertionError(f"{what}: an input with 5 channels trained a 4-channel layer")
+    return info
+
+
+@check
 def config_and_weights():
     """Constructor arguments, weights (names, shapes, order) and get_config of
     keras.layers.BatchNormalization; set_weights both ways."""

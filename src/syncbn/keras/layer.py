@@ -235,6 +235,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             )
             return ops.cast(y, self.compute_dtype)
 
+        x = self._with_static_channels(x)
         mask = moments.element_mask(mask, x)
         if not self.renorm:
             if self._local_fast_path():
@@ -285,6 +286,24 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 f"axis (one dimension less), got mask shape {tuple(mask.shape)} for "
                 f"input shape {tuple(inputs.shape)}"
             )
+
+    def _with_static_channels(self, x):
+        """``x`` with its channel axis's static size set to the layer's channel count.
+
+        A TensorFlow graph traced with that size unknown (``tf.function`` with an
+        ``input_signature`` of ``None`` dimensions, ``model.export`` with such a
+        signature) reaches :meth:`call` with ``x.shape[axis] is None``, which Keras's
+        layer trains on; the statistics here need the size to shape their per-channel
+        vectors. ``tf.ensure_shape`` sets it and checks it when the graph runs (an
+        input of another size fails there with an error naming both shapes, as it
+        would in Keras's layer). Other backends call the layer with concrete shapes."""
+        if x.shape[self.axis] is not None or keras.backend.backend() != "tensorflow":
+            return x
+        import tensorflow as tf
+
+        shape = list(x.shape)
+        shape[self.axis] = self.moving_mean.shape[0]
+        return tf.ensure_shape(x, shape)
 
     def _local_fast_path(self):
         """Whether this training call needs no communication and the backend has
