@@ -882,6 +882,77 @@ def all_layers(layer, seen=None):
 
 
 @check
+def convert_in_a_strategy_scope_warns_nothing():
+    """``convert`` and ``revert`` inside a 2-replica ``MirroredStrategy`` scope, as the
+    guide shows, warn about nothing: the attributes that the swap itself decides
+    (``supports_jit``, False for a synchronized layer made under the strategy, and
+    ``synchronized``, False in every copy) are not attributes the copy lost. For a
+    Sequential and a Functional model, a custom layer holding batch norm layers and a
+    subclassed model; an attribute the user set outside the config is still named.
+    (Both were named in a warning telling the user to put them in ``get_config()``.)"""
+    import warnings
+
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(3)
+            self.norm = keras.layers.BatchNormalization(synchronized=True)
+
+        def call(self, x, training=None):
+            return self.norm(self.dense(x), training=training)
+
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Block()
+            self.norm = keras.layers.BatchNormalization()
+
+        def call(self, x, training=None):
+            return self.norm(self.block(x, training=training), training=training)
+
+    def syncbn_warnings(fn):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = fn()
+        return result, [str(w.message) for w in caught if "syncbn" in str(w.message)]
+
+    strategy = mirrored(2)
+    info = {}
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        models = {
+            "sequential": keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                            keras.layers.BatchNormalization(synchronized=True)]),
+            "functional, custom block": keras.Model(inputs, keras.layers.BatchNormalization()(Block()(inputs))),
+            "subclassed": Net(),
+        }
+        models["subclassed"](np.ones((2, 4), np.float32))
+        for name, model in models.items():
+            converted, caught = syncbn_warnings(lambda: convert(model))
+            assert not caught, (name, "convert", caught)
+            synced = [l for l in all_layers(converted) if isinstance(l, SyncBatchNormalization)]
+            assert len(synced) == (1 if name == "sequential" else 2), (name, synced)
+            assert all(l.supports_jit is False and l.synchronized is False for l in synced), name
+            reverted, caught = syncbn_warnings(lambda: revert(converted))
+            assert not caught, (name, "revert", caught)
+            plain = [l for l in all_layers(reverted) if type(l) is keras.layers.BatchNormalization]
+            assert len(plain) == len(synced) and all(l.supports_jit is True for l in plain), name
+            info[name] = "no warning"
+        # An attribute set outside the config is still named.
+        model = models["sequential"]
+        model.layers[-1].user_flag = 3
+        _, caught = syncbn_warnings(lambda: convert(model))
+        assert len(caught) == 1 and "user_flag (3" in caught[0] and "supports_jit" not in caught[0] \
+            and "synchronized" not in caught[0], caught
+        info["user attribute"] = caught[0]
+    return info
+
+
+@check
 def convert_resnet_style():
     """convert() replaces every BatchNormalization (nested models and custom layers),
     copies the weights, keeps inference outputs, leaves the original untouched."""

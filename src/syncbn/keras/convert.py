@@ -395,7 +395,11 @@ class _Swap:
                     shape[bn.axis] = bn.moving_mean.shape[0]
                     new.build(tuple(shape))
             new.set_weights(bn.get_weights())
-        self.differing += _differing_attributes(bn, new)
+        # What the swap itself decides is not an attribute lost in the copy: ``synchronized``
+        # (False in every swapped layer, see convert and revert) and ``supports_jit``
+        # (False for a synchronized layer made under a strategy of several replicas, see
+        # mismatch.keep_fit_off_xla; True for Keras's layer).
+        self.differing += _differing_attributes(bn, new, decided=("synchronized", "supports_jit"))
         return new
 
     def retype(self, bn):
@@ -1222,14 +1226,17 @@ def _keep_torch_modes(old, new, made_from) -> None:
         queue += [(sub, layer) for sub in layer._flatten_layers(include_self=False, recursive=False)]
 
 
-def _differing_attributes(old, new) -> list:
+def _differing_attributes(old, new, decided=()) -> list:
     """``layer.attribute`` (with both values) for each public attribute of a plain value (a
     number, a string, a bool, None) that ``new``, a copy of ``old``, has otherwise: set
-    after construction and absent from the config, no copy can know it."""
+    after construction and absent from the config, no copy can know it. The attributes
+    named in ``decided`` are left out (the copy's class sets them)."""
     differing = []
     ours = vars(new)
     for key, value in vars(old).items():
         if key.startswith("_") or key == "name" or not isinstance(value, (bool, int, float, str, type(None))):
+            continue
+        if key in decided:
             continue
         if key == "training" and keras.backend.backend() == "torch":
             continue  # torch's module mode, which the copy takes (_keep_torch_modes)
