@@ -235,5 +235,130 @@ def degenerate_batches():
     return info
 
 
+@check
+def manual_shard_map_and_pmap_training_raises():
+    """Inside a user's own ``jax.shard_map`` or ``jax.pmap`` (manual mesh axes) the layer
+    sees one device's shard, so a training call there would give per-shard statistics
+    (Keras's own layer does): ours raises while tracing, naming the problem and
+    keras.distribution.DataParallel. Inference inside shard_map is the whole-batch
+    inference call's output; manual axes of size 1 (a shard_map over a one-device axis,
+    or one that is manual only over such an axis and auto over the data axis) change
+    nothing: no error, and the float64 oracle's values on the whole batch."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from syncbn.keras import SyncBatchNormalization
+
+    rng = np.random.default_rng(23)
+    channels = 3
+    # One offset per device: per-shard moving means would be far from the global one.
+    xs, dys = [], []
+    for d in range(DEVICES):
+        x, dy = oracle.make_inputs(rng, [2], (5, channels), channels, offset=np.full(channels, 5.0 * d))
+        xs += x
+        dys += dy
+    x, dy = np.concatenate(xs), np.concatenate(dys)
+    layer = SyncBatchNormalization(momentum=0.5)
+    layer.build((None, 5, channels))
+    layer.set_weights([rng.uniform(0.5, 2, channels), rng.uniform(-1, 1, channels),
+                       rng.uniform(-1, 1, channels), rng.uniform(0.5, 2, channels)])
+    initial = [np.asarray(w, np.float64) for w in layer.get_weights()]
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+
+    def call(x, training):
+        y, moving = layer.stateless_call(trainable, non_trainable, x, training=training)
+        return y, moving[0][None], moving[1][None]
+
+    def expect_error(what, fn, *args, axis):
+        try:
+            fn(*args)
+        except RuntimeError as e:
+            text = str(e)
+            for words in ("shard_map", "pmap", "each shard's own statistics",
+                          "keras.distribution.DataParallel", "syncbn.flax", repr(axis)):
+                assert words in text, (what, words, text)
+            return
+        raise AssertionError(f"{what}: a training call computed per-shard statistics without an error")
+
+    info = {}
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    specs = dict(mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data"), P("data")))
+    train = jax.jit(jax.shard_map(lambda x: call(x, True), **specs))
+    expect_error("shard_map", train, sharded, axis="data")
+    expect_error("shard_map, check_vma=False",
+                 jax.jit(jax.shard_map(lambda x: call(x, True), check_vma=False, **specs)), sharded, axis="data")
+    info["shard_map over 4 devices, training"] = "raises"
+
+    mesh2 = jax.make_mesh((2, 2), ("batch", "other"))
+    partial = jax.jit(jax.shard_map(lambda x: call(x, True), mesh=mesh2, in_specs=P("batch"),
+                                    out_specs=(P("batch"), P("batch"), P("batch")), axis_names={"batch"}))
+    expect_error("shard_map manual over one of two axes", partial,
+                 jax.device_put(x, NamedSharding(mesh2, P("batch"))), axis="batch")
+    info["shard_map manual over 'batch' (2) of a 2x2 mesh, training"] = "raises"
+
+    local = x.reshape((DEVICES, -1) + x.shape[1:])
+    expect_error("pmap", jax.pmap(lambda x: call(x, True), axis_name="i"), local, axis="i")
+    try:
+        jax.pmap(lambda x: call(x, True))(local)
+    except RuntimeError as e:
+        assert "keras.distribution.DataParallel" in str(e), str(e)
+    else:
+        raise AssertionError("pmap without axis_name: a training call computed per-shard statistics")
+    info["pmap over 4 devices (named and unnamed axis), training"] = "raises"
+
+    # Inference uses the moving statistics: the whole-batch call's output, up to a few
+    # float32 roundings (another fusion) of terms of magnitude |x| * gamma / std < 100.
+    want, _, _ = call(x, False)
+    got, _, _ = jax.jit(jax.shard_map(lambda x: call(x, False), **specs))(sharded)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    got, _, _ = jax.pmap(lambda x: call(x, False), axis_name="i")(local)
+    np.testing.assert_allclose(np.asarray(got).reshape(x.shape), np.asarray(want), rtol=2e-5, atol=2e-5)
+    info["inference in shard_map and pmap"] = "whole-batch inference output"
+
+    # Manual axes of one device: the whole batch, the oracle's statistics and gradients.
+    ref = oracle.batch_norm([x], [dy], gamma=initial[0], beta=initial[1], momentum=0.5,
+                            moving_mean=initial[2], moving_var=initial[3])
+
+    def loss(trainable, x, dy):
+        y, moving = layer.stateless_call(trainable, non_trainable, x, training=True)
+        return jnp.sum(y * dy), (y, moving[0][None], moving[1][None])
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    one = jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])
+    one_auto = jax.make_mesh((1, DEVICES), ("one", "data"))
+    for name, mesh_, spec, placed, axes in (
+            ("shard_map over a 1-device axis", one, P("one"), P("one"), None),
+            ("shard_map manual over a 1-device axis, auto over 'data' (4)", one_auto, P("one"),
+             P(("one", "data")), {"one"})):
+        out = (P(), P("one"), P("one"), P("one"), P("one"))
+        extra = {} if axes is None else {"axis_names": axes}
+
+        def body(trainable, x, dy):
+            (_, (y, mm, mv)), (grads, dx) = grad(trainable, x, dy)
+            return grads, y, mm, mv, dx
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh_, in_specs=(P(), spec, spec), out_specs=out, **extra))
+        xin = jax.device_put(x, NamedSharding(mesh_, placed))
+        dyin = jax.device_put(dy, NamedSharding(mesh_, placed))
+        assert len(xin.sharding.device_set) == mesh_.size, xin.sharding
+        grads, y, mm, mv, dx = fn(trainable, xin, dyin)
+        for got, want_, tol, what in ((y, ref["y"][0], 2e-5, "y"), (dx, ref["dx"][0], 2e-5, "dx"),
+                                      (grads[0], ref["dgamma"], 2e-5, "dgamma"),
+                                      (grads[1], ref["dbeta"], 2e-5, "dbeta"),
+                                      (mm[0], ref["moving_mean"], 1e-5, "moving_mean"),
+                                      (mv[0], ref["moving_var"], 1e-5, "moving_var")):
+            got = np.asarray(got, np.float64)
+            assert np.all(np.isfinite(got)), (name, what)
+            np.testing.assert_allclose(got, want_, rtol=tol, atol=tol, err_msg=f"{name} {what}")
+        info[name] = "no error, global statistics"
+    # The per-shard means really differ from the global one.
+    assert np.max(np.abs(x[:2].reshape(-1, channels).mean(0) - ref["mean"])) > 1.0
+    return info
+
+
 if __name__ == "__main__":
     worker_main(CHECKS, setup)

@@ -235,6 +235,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             )
             return ops.cast(y, self.compute_dtype)
 
+        self._check_not_per_shard()
         x = self._with_static_channels(x)
         mask = moments.element_mask(mask, x)
         if not self.renorm:
@@ -287,6 +288,30 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 f"input shape {tuple(inputs.shape)}"
             )
 
+    def _check_not_per_shard(self):
+        """A training call traced inside a user's own ``jax.shard_map`` or ``jax.pmap``
+        body (manual mesh axes of more than one device) raises: there the layer sees
+        only its device's shard, and its statistics would silently be per-shard ones.
+        Raised while tracing, so every device and process raises alike. Inference uses
+        the moving statistics and needs no synchronization, so it is not checked."""
+        if keras.backend.backend() != "jax":
+            return
+        axes = {name: size for name, size in replicas.jax_manual_axes().items() if size > 1}
+        if not axes:
+            return
+        named = ", ".join(f"{name!r} ({size} devices)" for name, size in axes.items())
+        raise RuntimeError(
+            f"{self.name}: a training call of SyncBatchNormalization inside jax.shard_map "
+            f"or jax.pmap (manual mesh axes {named}) would compute each shard's own "
+            f"statistics, not the synchronized ones: the Keras layer synchronizes on the "
+            f"JAX backend only through keras.distribution, where it sees the global batch. "
+            f"Train under keras.distribution.set_distribution("
+            f"keras.distribution.DataParallel()) (or jax.jit over arrays sharded that way) "
+            f"instead, or, in hand-written shard_map/pmap code, use syncbn.flax's layers "
+            f"with axis_name set to the batch axes. Inference calls (training=False) are "
+            f"not affected."
+        )
+
     def _with_static_channels(self, x):
         """``x`` with its channel axis's static size set to the layer's channel count.
 
@@ -312,7 +337,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         backend = keras.backend.backend()
         if backend == "tensorflow":
             return replicas.tf_replica_context() is None
-        return backend == "jax"
+        # Inside shard_map/pmap (manual axes, here all of size 1: larger ones raised) the
+        # custom gradient's cotangents of replicated gamma / beta would vary over the
+        # manual axes, which JAX refuses; automatic differentiation handles that.
+        return backend == "jax" and not replicas.jax_manual_axes()
 
     def _train_local(self, x, mask, gamma, beta):
         """Training output from this batch's own statistics, with the closed-form

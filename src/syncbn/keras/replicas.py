@@ -11,6 +11,9 @@ exactly one collective forward and one backward, per Keras backend.
   imported only on this backend.
 - JAX: nothing to do here. Under ``keras.distribution.DataParallel`` the layer sees the
   global batch as one sharded array and XLA inserts the cross-device sums itself.
+  Inside a user's own ``jax.shard_map`` or ``jax.pmap`` (which JAX runs as a shard_map)
+  the layer would see only its shard: :func:`jax_manual_axes` names those axes, and a
+  training call there raises (see ``SyncBatchNormalization.call``).
 
 Forward: every replica packs its local moments (:func:`syncbn.keras.moments.pack`,
 ``2C + 1`` values, ``3C`` when a mask gives each channel its own count), one all-reduce
@@ -50,6 +53,7 @@ from syncbn.core import fingerprint as lf
 from . import mismatch, moments
 
 __all__ = [
+    "jax_manual_axes",
     "tf_replica_context",
     "tf_sum_dtype",
     "tf_sync_moments",
@@ -79,6 +83,30 @@ def _forward(x, axis, mask, shift, dtype, all_reduce):
     total = all_reduce(moments.pack(count, mean, m2, shift, dtype))
     count, mean, var = moments.merge(total, shift)
     return count, ops.cast(mean, x.dtype), ops.cast(var, x.dtype)
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def jax_manual_axes():
+    """``{axis name: size}`` of the mesh axes that the current JAX trace is manual over:
+    a ``jax.shard_map`` body (its ``axis_names``, all of the mesh's by default) or a
+    ``jax.pmap`` body (JAX 0.10 runs pmap as a shard_map; an unnamed pmap's axis has a
+    name of JAX's own). There every array is one device's shard, and reductions over
+    it are per-shard (the same as global ones over axes of size 1). Empty elsewhere
+    (eager, ``jax.jit``, ``keras.distribution``'s global arrays, auto axes of a partial
+    shard_map), and where this JAX lacks the public ``jax.sharding.get_abstract_mesh``."""
+    import jax
+
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get is None:
+        return {}
+    mesh = get()
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    if not manual:
+        return {}
+    sizes = dict(mesh.shape)
+    return {name: int(sizes[name]) for name in manual}
 
 
 # --------------------------------------------------------------------------- TensorFlow
