@@ -323,8 +323,25 @@ def too_few_job(sizes):
 
 
 def test_too_few_values_raise_on_every_rank(pool):
+    """One value per channel over the group raises on every rank, as torch.nn.BatchNorm2d
+    raises for one value per channel (every rank empty does not: see below)."""
     for message in pool.run(too_few_job, (1, 0, 0))[:3]:
         assert message is not None and "more than 1 value per channel" in message
+
+
+@pytest.mark.parametrize("activation", [("leaky_relu", 0.1), ("elu", 1.0), ("identity", 0.01)])
+@pytest.mark.parametrize("momentum,track", [(0.1, True), (None, True), (0.1, False)])
+def test_a_group_of_empty_ranks_is_torchs_empty_batch(pool, activation, momentum, track):
+    """Every rank empty (W = 3, a global count of 0 values per channel; it raised
+    ValueError): BatchNorm2d's empty batch followed by the activation, on every rank: an
+    empty output and input gradient, zero weight and bias gradients, the running buffers
+    bit for bit as they were, num_batches_tracked moved, one all-reduce each way; then a
+    step with values as torch's (test_functional.check_empty_group; the other paths there
+    and in test_kernels)."""
+    from test_functional import check_empty_group, empty_group_job
+
+    results = pool.run(empty_group_job, 3, "SyncBatchNormAct", momentum, track, "cpu", activation)
+    check_empty_group(results, 3, "SyncBatchNormAct", momentum, track, activation)
 
 
 # ---- communication ------------------------------------------------------------------

@@ -153,3 +153,57 @@ def test_compiled_rank_beside_an_eager_rank_raises_at_the_second_layer(pool):
         return
     assert eager[0] == "LayerMismatchError" and "call 1 of the step" in eager[1], eager
     assert "different synchronized layer calls" in compiled[1], compiled
+
+
+def test_compiled_layer_takes_a_group_of_empty_ranks_as_torchs_empty_batch(pool):
+    """Every rank empty under torch.compile (fullgraph where syncbn traces whole): the
+    count check is an assert inside the graph, which raised for a global count of 0; now
+    torch.nn.BatchNorm2d's empty batch (the running buffers bit for bit as they were, the
+    momentum count moved: momentum None, so the step with values after it weighs 1/3),
+    one all-reduce each way (test_functional.check_empty_group)."""
+    from test_functional import check_empty_group, empty_group_job
+
+    results = pool.run(empty_group_job, WORLD, "SyncBatchNorm", None, True, "compiled", timeout=600)
+    check_empty_group(results, WORLD, "SyncBatchNorm", None, True)
+
+
+def empty_rank_job():
+    """Rank 0 empty, rank 1 with 3 samples: a compiled SyncBatchNorm and an eager one, one
+    training step each (momentum None): the outputs, gradients, buffers and collectives."""
+    import torch._dynamo
+
+    group = group_of(WORLD)
+    if not in_group(WORLD):
+        return None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(41)
+    xs = [torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) * 2 + 1 for n in (0, 3)]
+    dys = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in xs]
+    out = {}
+    torch._dynamo.reset()
+    for mode in ("eager", "compiled"):
+        layer = syncbn.SyncBatchNorm(3, momentum=None, process_group=group).double()
+        call = torch.compile(layer, fullgraph=FULLGRAPH) if mode == "compiled" else layer
+        x = xs[rank].clone().requires_grad_()
+        with record_collectives() as calls:
+            y = call(x)
+            y.backward(dys[rank])
+        out[mode] = {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad,
+                     "buffers": [b.clone() for b in layer.buffers()], "collectives": [c.op for c in calls]}
+    return out
+
+
+def test_compiled_layer_with_an_empty_rank_makes_one_collective_each_way(pool):
+    """A compiled rank whose local batch is empty beside one that is not: its backward sums
+    were zeros made from nothing, which the compiler moved, with their all-reduce, into the
+    forward graph, so that rank ran 3 collectives to the other's 2 and gloo failed on the
+    mismatch ("Received data size doesn't match expected size"). Now one all-reduce each way
+    on both ranks, and the step is eager's (float64, same operations reordered: bound 1e-9,
+    as above)."""
+    results = pool.run(empty_rank_job, timeout=600)[:WORLD]
+    for r in results:
+        assert r["compiled"]["collectives"] == r["eager"]["collectives"] == ["all_reduce", "all_reduce"], r
+        for key in ("y", "dx", "dw", "db"):
+            torch.testing.assert_close(r["compiled"][key], r["eager"][key], rtol=1e-9, atol=1e-9, msg=key)
+        for a, b in zip(r["compiled"]["buffers"], r["eager"]["buffers"]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

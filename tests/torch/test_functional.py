@@ -61,12 +61,208 @@ def error_job(world, sizes, tail):
     return ("ok", None)
 
 
-@pytest.mark.parametrize("sizes", [(1, 0, 0, 0), (0, 0, 0, 0), (0, 1), (1,)])
+@pytest.mark.parametrize("sizes", [(1, 0, 0, 0), (0, 1), (1,)])
 def test_too_few_values_raise_on_every_rank(pool, sizes):
+    """One value per channel over the whole group raises, as torch.nn.BatchNorm2d raises
+    for one value per channel (a group whose ranks are all empty does not: see below)."""
     world = len(sizes)
     results = pool.run(error_job, world, sizes, ())[:world]
     for kind, message in results:
         assert kind == "ValueError" and "more than 1 value per channel" in message
+
+
+# ---- a group whose ranks are all empty: torch.nn's empty batch --------------------------
+
+EMPTY_STEPS = 2  # training steps in which every rank is empty, then one with values
+EMPTY_TAIL = (4, 4)
+
+
+def empty_group_setup(channels=3):
+    """The layer's starting values (float64, bits not round: 1/3, 1/7, ...), the same in the
+    workers and in the test process."""
+    gen = torch.Generator().manual_seed(17)
+    return {"running_mean": torch.randn(channels, generator=gen, dtype=torch.float64) / 3,
+            "running_var": torch.rand(channels, generator=gen, dtype=torch.float64) / 7 + 0.5,
+            "weight": torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5,
+            "bias": torch.randn(channels, generator=gen, dtype=torch.float64)}
+
+
+def empty_group_last(world, channels=3):
+    """The last step's inputs and output gradients on every rank (an empty rank among them)."""
+    sizes = (2, 0, 3, 1)[:world] if world > 2 else (2, 3)
+    gen = torch.Generator().manual_seed(23)
+    xs = [torch.randn(n, channels, *EMPTY_TAIL, generator=gen, dtype=torch.float64) * 2 + 1 for n in sizes]
+    dys = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in xs]
+    return xs, dys
+
+
+def empty_group_job(world, form, momentum, track, path="cpu", activation=("leaky_relu", 0.01)):
+    """``form`` (SyncBatchNorm, SyncBatchNormAct, sync_batch_norm) trained for
+    EMPTY_STEPS steps in which every rank of the group is empty, then one step with values,
+    on this rank's ``path`` ("cpu", "cuda": the torch-op CUDA path forced, "portable": the
+    path torch.compile traces, "triton": the kernels forced, in an interpreting pool,
+    "compiled": the call under torch.compile, fullgraph where syncbn traces whole).
+    Per step: the output, the input, weight and bias gradients, the buffers after it, and
+    the collectives it ran. ``activation``: SyncBatchNormAct's (name, parameter)."""
+    import contextlib
+
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+    from syncbn.tools.traffic import record_collectives
+
+    group = group_of(world)
+    if not in_group(world):
+        return None
+    rank = dist.get_rank()
+    start = empty_group_setup()
+    layer = None
+    if form == "sync_batch_norm":
+        weight = start["weight"].clone().requires_grad_()
+        bias = start["bias"].clone().requires_grad_()
+        buffers = [start["running_mean"].clone(), start["running_var"].clone()] if track else [None, None]
+    else:
+        kwargs = {}
+        if form == "SyncBatchNormAct":
+            kwargs = {"activation": activation[0], "activation_param": activation[1]}
+        layer = getattr(syncbn, form)(3, momentum=momentum, track_running_stats=track, process_group=group,
+                                      **kwargs).double()
+        with torch.no_grad():
+            layer.weight.copy_(start["weight"])
+            layer.bias.copy_(start["bias"])
+            if track:
+                layer.running_mean.copy_(start["running_mean"])
+                layer.running_var.copy_(start["running_var"])
+        weight, bias = layer.weight, layer.bias
+        buffers = [None, None]
+    xs, dys = empty_group_last(world)
+    inputs = [(torch.empty(0, 3, *EMPTY_TAIL, dtype=torch.float64),) * 2] * EMPTY_STEPS + [(xs[rank], dys[rank])]
+    if layer is None:
+        def call(x):
+            return sync_batch_norm(x, *buffers, weight, bias, True, momentum, 1e-5, group)
+    else:
+        call = layer
+    if path == "compiled":
+        from torch import _dynamo
+
+        from syncbn.torch.distributed import TRACEABLE
+
+        _dynamo.reset()
+        call = torch.compile(call, fullgraph=TRACEABLE)
+    forced = {"cuda": stats._forced_cuda_path, "triton": stats._forced_triton_path}.get(path)
+    if path == "portable":
+        fingerprint.IMMEDIATE_DEVICES.discard("cpu")
+    steps = []
+    try:
+        with forced() if forced else contextlib.nullcontext():
+            for x, dy in inputs:
+                x = x.clone().requires_grad_()
+                with record_collectives() as calls:
+                    y = call(x)
+                    y.backward(dy)
+                if layer is not None and track:
+                    buffers = [layer.running_mean, layer.running_var]
+                steps.append({"y": y.detach().clone(), "dx": x.grad, "dw": weight.grad.clone(),
+                              "db": bias.grad.clone(), "collectives": [c.op for c in calls],
+                              "buffers": [None if b is None else b.clone() for b in buffers],
+                              "tracked": None if layer is None or not track else layer.num_batches_tracked.clone()})
+                weight.grad = bias.grad = None
+    finally:
+        fingerprint.IMMEDIATE_DEVICES.add("cpu")
+    return steps
+
+
+def empty_group_reference(world, form, momentum, track, activation=("leaky_relu", 0.01)):
+    """The same steps by torch.nn.BatchNorm2d (F.batch_norm for the function; the activation
+    after it for SyncBatchNormAct) in one process, each step's batch the ranks' batches
+    concatenated."""
+    start = empty_group_setup()
+    layer = torch.nn.BatchNorm2d(3, momentum=momentum, track_running_stats=track).double()
+    with torch.no_grad():
+        layer.weight.copy_(start["weight"])
+        layer.bias.copy_(start["bias"])
+        if track:
+            layer.running_mean.copy_(start["running_mean"])
+            layer.running_var.copy_(start["running_var"])
+    buffers = [start["running_mean"].clone(), start["running_var"].clone()] if track else [None, None]
+    xs, dys = empty_group_last(world)
+    empty = torch.empty(0, 3, *EMPTY_TAIL, dtype=torch.float64)
+    steps = []
+    for x, dy in [(empty, empty)] * EMPTY_STEPS + [(torch.cat(xs), torch.cat(dys))]:
+        x = x.clone().requires_grad_()
+        if form == "sync_batch_norm":
+            y = F.batch_norm(x, *buffers, layer.weight, layer.bias, True, momentum, 1e-5)
+        else:
+            y = layer(x)
+            if track:
+                buffers = [layer.running_mean, layer.running_var]
+        if form == "SyncBatchNormAct" and activation[0] == "leaky_relu":
+            y = F.leaky_relu(y, activation[1])
+        elif form == "SyncBatchNormAct" and activation[0] == "elu":
+            y = F.elu(y, activation[1])
+        y.backward(dy)
+        steps.append({"y": y.detach().clone(), "dx": x.grad, "dw": layer.weight.grad.clone(),
+                      "db": layer.bias.grad.clone(), "buffers": [None if b is None else b.clone() for b in buffers],
+                      "tracked": None if form == "sync_batch_norm" or not track else layer.num_batches_tracked.clone()})
+        layer.weight.grad = layer.bias.grad = None
+    return steps
+
+
+def check_empty_group(results, world, form, momentum, track, activation=("leaky_relu", 0.01)):
+    """Every rank's empty steps are torch's bit for bit: an empty output and input gradient,
+    zero weight and bias gradients, the running buffers as they were and num_batches_tracked
+    moved; one all-reduce forward and one backward on every rank; then the step with values
+    matches torch on the concatenation (float64: bn_oracle's bound, 1e-10 relative to the
+    largest value), so the buffers and the momentum count went on from where torch's did
+    (momentum None: the third step's weight is 1/3)."""
+    ref = empty_group_reference(world, form, momentum, track, activation)
+    ranks = results[:world]
+    for rank, steps in enumerate(ranks):
+        assert len(steps) == EMPTY_STEPS + 1
+        for i, (got, want) in enumerate(zip(steps[:EMPTY_STEPS], ref)):
+            where = f"rank {rank}, empty step {i}"
+            assert got["collectives"] == ["all_reduce", "all_reduce"], (where, got["collectives"])
+            assert got["y"].shape == want["y"].shape and got["y"].dtype == want["y"].dtype, where
+            assert got["dx"] is not None and got["dx"].shape == want["dx"].shape, where
+            for key in ("dw", "db"):
+                assert torch.equal(got[key], want[key]), (where, key, got[key])
+            for a, b in zip(got["buffers"], want["buffers"]):
+                assert (a is None) == (b is None), where
+                if a is not None:  # bit for bit: untouched
+                    assert torch.equal(a, b), (where, a, b)
+            if got["tracked"] is not None:
+                assert torch.equal(got["tracked"], want["tracked"]), (where, got["tracked"], want["tracked"])
+    last = ref[-1]
+    for key in ("y", "dx"):
+        got = torch.cat([steps[-1][key] for steps in ranks])
+        assert torch.isfinite(got).all(), key
+        torch.testing.assert_close(got, last[key], rtol=0, atol=1e-10 * max(1.0, float(last[key].abs().max())),
+                                   msg=key)
+    for key in ("dw", "db"):
+        got = sum(steps[-1][key] for steps in ranks)
+        torch.testing.assert_close(got, last[key], rtol=0, atol=1e-10 * max(1.0, float(last[key].abs().max())),
+                                   msg=key)
+    for steps in ranks:
+        for a, b in zip(steps[-1]["buffers"], last["buffers"]):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg="buffers")
+        if steps[-1]["tracked"] is not None:
+            assert torch.equal(steps[-1]["tracked"], last["tracked"])
+
+
+_EMPTY_SETTINGS = [(0.1, True), (None, True), (0.1, False)]
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda", "portable"])
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct", "sync_batch_norm"])
+@pytest.mark.parametrize("momentum,track", _EMPTY_SETTINGS)
+def test_a_group_of_empty_ranks_is_torchs_empty_batch(pool, path, form, momentum, track):
+    """Every rank empty (a global count of 0 values per channel, W = 4; it raised
+    ValueError): torch.nn.BatchNorm2d's empty batch on the concatenation, on every rank and
+    every path (see check_empty_group)."""
+    if form == "sync_batch_norm" and momentum is None:
+        momentum = 0.3  # the function takes a number; the count is the layers'
+    world = 4 if path == "cpu" else 2
+    check_empty_group(pool.run(empty_group_job, world, form, momentum, track, path), world, form, momentum, track)
 
 
 def test_enough_values_split_thinly_do_not_raise(pool):

@@ -482,6 +482,32 @@ def test_kernels_refuse_one_value_per_channel(triton_pool):
     assert triton_pool.run(too_few_job, (1, 0))[:2] == [True, True]
 
 
+def empty_kernels_job(form, momentum, track):
+    """test_functional's empty_group_job on the forced Triton path, and the merge kernel's
+    launches (the kernels taken, not the torch-op fallback)."""
+    from test_functional import empty_group_job
+
+    with _Launches() as launches:
+        steps = empty_group_job(2, form, momentum, track, "triton")
+    return None if steps is None else (steps, launches.calls["merge"])
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct", "sync_batch_norm"])
+@pytest.mark.parametrize("momentum,track", [(0.1, True), (None, True), (0.1, False)])
+def test_kernels_take_a_group_of_empty_ranks_as_torchs_empty_batch(triton_pool, form, momentum, track):
+    """Every rank empty (it raised): torch.nn.BatchNorm2d's empty batch, the running buffers
+    bit for bit as they were (the merge kernel leaves them where N <= 1, its statistics
+    finite zeros at N = 0), zero weight and bias gradients, one all-reduce each way, then a
+    step with values as torch's (test_functional.check_empty_group)."""
+    from test_functional import check_empty_group
+
+    if form == "sync_batch_norm" and momentum is None:
+        momentum = 0.3
+    results = triton_pool.run(empty_kernels_job, form, momentum, track)[:2]
+    assert all(merges == 3 for _, merges in results), [merges for _, merges in results]
+    check_empty_group([steps for steps, _ in results], 2, form, momentum, track)
+
+
 def fallback_job():
     """An input whose spatial dims do not flatten without a copy (a transposed plane)
     takes the torch-op path; the same values laid out densely take the kernels: the same

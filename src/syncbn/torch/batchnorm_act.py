@@ -326,8 +326,11 @@ class _SyncBatchNormAct(torch.autograd.Function):
             packed, ok = fingerprint.all_reduce_checked(packed, group, tag, distributed.group_size(group))
         count, mean, var = stats.merge_moments(packed, channels)
         # as in syncbn.functional: only ranks with at most one local value can see a
-        # global count <= 1, and when it is, every rank reads it and raises alike
-        if n <= 1 and int(count.item()) <= 1:
+        # global count of 1, and when it is, every rank reads it and raises alike (a count
+        # of 0, every rank empty, is torch's empty batch: the buffers stay as they are)
+        if n <= 1 and _compiling():
+            torch._assert_async(count != 1, "Expected more than 1 value per channel when training")
+        elif n <= 1 and int(count.item()) == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {int(count.item())} "
                 f"value(s) per channel in total across the process group (local input shape "

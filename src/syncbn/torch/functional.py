@@ -171,27 +171,32 @@ def _pack_moments(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _check_count(count: Tensor, n: int, shape, device_side: bool = False) -> None:
-    """Raise on every rank when the group holds at most one value per channel.
+    """Raise on every rank when the group holds exactly one value per channel.
 
-    Only a rank that holds at most one element per channel can live in a group whose
-    global count is <= 1; ranks with more know the count is fine. So the ranks that read
-    the count are exactly the ranks that may have to raise, and when the count is too
-    small they all read it and all raise. Under torch.compile the host read would break
-    the graph: there the check is an asynchronous assert in the graph instead (raised
-    where the compiled kernel runs, on the same ranks). The CUDA path (``device_side``)
-    takes that assert too: no host synchronisation, at the price of a device-side error.
+    That is torch's rule (``torch.nn.BatchNorm2d`` raises for one value per channel and
+    takes an empty batch: an empty output, the running buffers as they were). A group
+    whose ranks are all empty (a global count of 0) passes: the callers leave the running
+    buffers alone there. Only a rank that holds at most one element per channel can live
+    in a group whose global count is 1; ranks with more know the count is fine. So the
+    ranks that read the count are exactly the ranks that may have to raise, and when the
+    count is 1 they all read it and all raise. Under torch.compile the host read would
+    break the graph: there the check is an asynchronous assert in the graph instead
+    (raised where the compiled kernel runs, on the same ranks). The CUDA path
+    (``device_side``) takes that assert too: no host synchronisation, at the price of a
+    device-side error.
     """
     if n > 1:
         return
     if device_side or distributed.compiling():
-        torch._assert_async(count > 1, "Expected more than 1 value per channel when training across the process group")
+        torch._assert_async(count != 1, "Expected more than 1 value per channel when training across the process group")
         return
     _refuse_count(count.item(), shape)
 
 
 def _refuse_count(total: float, shape) -> None:
-    """Raise where the group's count ``total`` (the same number on every rank) is <= 1."""
-    if total <= 1:
+    """Raise where the group's count ``total`` (the same number on every rank) is 1
+    (0, every rank empty, is an empty batch, as torch.nn takes it)."""
+    if total == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training across the process "
             f"group, got {int(total)} value(s) per channel in total "
@@ -432,8 +437,10 @@ def _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     fingerprint.check_now(packed[:size], group, tag, world)
     total = packed[size].item()  # a host read that costs nothing on the CPU
     _refuse_count(total, x.shape)
-    mean_c, invstd, unbiased = stats.cpu_statistics(packed[size + 1:], total, eps, cdtype)
     count = packed[size]
+    if not total:  # every rank empty: an empty output, the buffers as they were (as torch.nn)
+        return torch.empty_like(x), mean, torch.full_like(mean, eps).rsqrt_(), count
+    mean_c, invstd, unbiased = stats.cpu_statistics(packed[size + 1:], total, eps, cdtype)
     stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, None)
     if not n:
         return torch.empty_like(x), mean_c, invstd, count
@@ -488,7 +495,8 @@ def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_
 
 # ---- the CUDA path (stats.cuda_path): torch's kernels, C-sized operations, no host read
 # Per call, forward: the statistics kernel, the payload (one cat, two addcmul),
-# the all-reduce, the fingerprint verdict (2), the merge (5), the running buffers (3) and
+# the all-reduce, the fingerprint verdict (2), the merge (6), the running buffers (5: the
+# gate on the verdict and the count, the lerps, the two selections) and
 # batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
 # verdict (2), the integer count and batch_norm_backward_elemt. The payloads are those of
 # every path (so that ranks on different paths, compiled and eager, sum alike):
@@ -508,7 +516,9 @@ def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, gro
     ok = fingerprint.pending_verdict(packed[:size], group, tag, world)
     _check_count(packed[size], n, x.shape, device_side=True)
     mean_c, invstd, unbiased, count = stats.cuda_statistics(packed[size:], channels, eps, stats.compute_dtype(x.dtype))
-    stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, ok)
+    # the buffers move where the ranks agree and the group holds values (a global count
+    # of 0: every rank empty, the buffers keep their bits, as torch.nn's)
+    stats.update_running_buffers(running_mean, running_var, mean_c, unbiased, momentum, ok & (count > 1))
     y = stats.cuda_normalize(x, weight, bias, mean_c, invstd) if n else torch.empty_like(x)
     return y, mean_c, invstd, count
 
@@ -626,9 +636,13 @@ def sync_batch_norm(
 
     In training with a group of more than one rank, every rank must call this for the
     same layer in the same order: each call is one all-reduce forward and one backward.
-    An empty local batch is allowed (it still takes part); a global count of at most
+    An empty local batch is allowed (it still takes part); a global count of exactly
     one element per channel raises ``ValueError`` on every rank (under ``torch.compile``,
-    a ``RuntimeError`` from an assert inside the compiled graph, see ``_check_count``).
+    a ``RuntimeError`` from an assert inside the compiled graph, see ``_check_count``), as
+    ``torch.nn.BatchNorm2d`` raises for one value per channel. Where every rank's batch is
+    empty (a global count of 0) the call is torch's on an empty batch: an empty output,
+    the running buffers left as they are, zero weight and bias gradients (the backward
+    all-reduce is still made on every rank).
 
     Every training call on W > 1 ranks carries a fingerprint in its two all-reduces (see
     :mod:`syncbn.torch.fingerprint`): ranks that are in different layer calls raise

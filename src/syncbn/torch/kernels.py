@@ -19,8 +19,9 @@ forward
        other path: ``sum x = n K + sum t``, ``sum x^2 = sum t^2 + K (2 sum t + n K)``);
     3. (the all-reduce) then :func:`merge`: the fingerprint's verdict, ``mean = S1 / N``,
        ``var = S2 / N - mean^2``, ``invstd`` and the running buffers (moved only where the
-       verdict is good and ``N > 1``), all in float64; the normalizing statistics are
-       written as ``[mean_hi, mean_lo, invstd]`` in the compute dtype, ``mean_hi + mean_lo``
+       verdict is good and ``N > 1``: a group whose ranks are all empty, ``N = 0``, keeps
+       them as they are, its statistics finite zeros), all in float64; the normalizing
+       statistics are written as ``[mean_hi, mean_lo, invstd]`` in the compute dtype, ``mean_hi + mean_lo``
        the float64 mean to twice the compute precision;
     4. :func:`normalize`: ``y = act(((x - mean_hi) - mean_lo) * invstd * w + b)``
        (ELU's ``alpha expm1(z)`` in float64, Kahan's ``(e^z - 1) z / log e^z``; its inverse
@@ -398,6 +399,7 @@ def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats
     momentum = tl.load(mom_ptr).to(tl.float64)
     update = (ok & (count > 1.0)).to(tl.int32)
     unbias = count / tl.maximum(count - 1.0, 1.0)
+    held = tl.maximum(count, 1.0)  # N = 0 (every rank empty, the sums 0): zeros, not 0 / 0
     taken = tl.zeros([], dtype=tl.int32)
     for first in range(0, C, BLOCK):
         cols = first + tl.arange(0, BLOCK)
@@ -405,8 +407,8 @@ def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats
         moving = cmask & ((cols * 0 + update) == 1)
         s1 = tl.load(sum_ptr + SIZE + 1 + cols, mask=cmask, other=0.0)
         s2 = tl.load(sum_ptr + SIZE + 1 + C + cols, mask=cmask, other=0.0)
-        mean = s1 / count
-        var = tl.maximum(s2 / count - mean * mean, 0.0)
+        mean = s1 / held
+        var = tl.maximum(s2 / held - mean * mean, 0.0)
         invstd = 1.0 / tl.sqrt(var + eps)
         hi = mean.to(stats_ptr.dtype.element_ty)
         lo = (mean - hi.to(tl.float64)).to(stats_ptr.dtype.element_ty)

@@ -329,7 +329,9 @@ def merge_moments(packed: torch.Tensor, channels: int):
 
 def _merged_rows(sums: torch.Tensor, count) -> torch.Tensor:
     """``[mean, biased var]`` as one (2, C) tensor from the summed ``[S1, S2]`` and the
-    count (a 0-d tensor or a number): ``S1 / N`` and ``S2 / N - mean^2``, clamped at 0."""
+    count (a 0-d tensor or a number): ``S1 / N`` and ``S2 / N - mean^2``, clamped at 0.
+    A count of 0 (every rank empty: the sums are 0) gives zeros, not 0 / 0."""
+    count = count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1)
     rows = torch.div(sums.view(2, -1), count)  # [mean, E x^2]
     rows[1].addcmul_(rows[0], rows[0], value=-1).clamp_min_(0)
     return rows
@@ -341,7 +343,15 @@ def update_running_stats(running_mean, running_var, mean, var, count, momentum, 
 
     ``momentum`` is the weight of the new value (a float, or a 0-d tensor for the
     cumulative average); the variance written is unbiased with the global count. ``ok``
-    (a 0-d bool tensor, see :func:`move_buffer`) gates the update on the device."""
+    (a 0-d bool tensor, see :func:`move_buffer`) gates the update on the device; so does
+    the count (a 0-d tensor, or a number read already): the buffers move only where it is
+    above 1 (a count of 0, every rank empty, leaves them as they are, as torch.nn's
+    batch norm does; 1 raises in the callers)."""
+    if isinstance(count, torch.Tensor):
+        held = count > 1
+        ok = held if ok is None else ok & held
+    elif count <= 1:
+        return
     if running_mean is not None:
         move_buffer(running_mean, mean, momentum, ok)
     if running_var is not None:
@@ -405,7 +415,11 @@ def backward_sums(dy: torch.Tensor, x: torch.Tensor, mean, invstd):
     channels = x.shape[1]
     cdtype = compute_dtype(x.dtype)
     if x.numel() == 0:
-        zeros = torch.zeros(channels, dtype=cdtype, device=x.device)
+        # zeros, taken from dy (a sum over no element): so that under torch.compile the
+        # backward all-reduce that sends them depends on the gradient and stays in the
+        # backward graph (zeros from nothing were moved into the forward graph, which
+        # then ran a collective more on an empty rank than on the others)
+        zeros = dy.sum(reduce_dims(dy.dim()), dtype=cdtype)
         return zeros, zeros.clone()
     if x.device.type in NATIVE_KERNEL_DEVICES:
         # the native backward kernel's weight and bias gradients are exactly these sums
@@ -675,18 +689,21 @@ def cuda_statistics(summed: torch.Tensor, channels: int, eps: float, cdtype: tor
     """From the group's sums ``[N, S1, S2]`` (:func:`cuda_pack_moments` summed):
     ``(mean, invstd, unbiased var, count)``, the first three in ``cdtype`` (what the
     normalizing kernels and the running buffers take), the global count as a 0-d tensor.
-    Six C-sized operations, no host read:
+    Seven C-sized operations, no host read:
 
         [N, N - 1]             = N - [0, 1]                                   (sub)
         [mean, a, E2 + eps, F] = [[0, 0], [eps, 0]] + [S1, S2] / [N, N - 1]   (addcdiv)
         [var + eps, unbiased]  = [E2 + eps, F] - [mean, a] * mean             (addcmul_)
 
-    (a = S1 / (N - 1), F = S2 / (N - 1): ``F - a * mean = (S2 - S1^2 / N) / (N - 1)``),
-    both clamped below at [eps, 0], then ``rsqrt``, all in the sums' dtype (float64:
+    (a = S1 / (N - 1), F = S2 / (N - 1): ``F - a * mean = (S2 - S1^2 / N) / (N - 1)``;
+    the counts clamped below at 1 first, so that a group with no value, N = 0, gives finite
+    zeros for the mean and variances instead of 0 / 0: its caller leaves the buffers alone),
+    the results clamped below at [eps, 0], then ``rsqrt``, all in the sums' dtype (float64:
     the one cancellation, ``E2 - mean^2``, loses about 1e-16 (|mean| / std)^2 relative),
     and one conversion to ``cdtype``."""
     sums = summed[1:].view(2, 1, channels)
     counts = torch.sub(summed[:1], constant(_count_offsets, (), summed.dtype, summed.device)).view(1, 2, 1)
+    counts.clamp_min_(1)  # N = 0 (every rank empty, the sums 0): zeros, not 0 / 0; N = 1 raises
     rows = torch.addcdiv(constant(_eps_rows, (eps,), summed.dtype, summed.device), sums, counts).view(4, channels)
     rows[2:].addcmul_(rows[:2], rows[:1], value=-1)
     rows[2:].clamp_min_(constant(_floors, (eps,), summed.dtype, summed.device))
