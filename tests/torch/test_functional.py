@@ -623,9 +623,12 @@ def check_half_buffers(results):
     var = whole.var((0, 2, 3), unbiased=True)
     assert var.min() > 65504  # the case: the batch variance itself is not a float16
     expected_mean, expected_var = 0.1 * mean, 0.9 + 0.1 * var
+    got = [*zip(means, variances)]
     torchs = torch.nn.BatchNorm2d(3).half()
     torchs(whole.half())
-    for got_mean, got_var in [*zip(means, variances), (torchs.running_mean.double(), torchs.running_var.double())]:
+    if torch.isfinite(torchs.running_var).all():  # torch 2.4's CPU kernel rounds the variance to float16 first: inf
+        got.append((torchs.running_mean.double(), torchs.running_var.double()))
+    for got_mean, got_var in got:
         torch.testing.assert_close(got_var, expected_var, rtol=2e-3, atol=0)
         torch.testing.assert_close(got_mean, expected_mean, rtol=2e-3, atol=1e-3)
 
@@ -634,15 +637,12 @@ def check_half_buffers(results):
 def test_float16_running_var_beyond_float16_in_one_process(activation):
     """The same case in one process: SyncBatchNormAct on a float16 input takes the general
     path without collectives (its local kernels take float32/float64 only), which stored
-    inf; torch's BatchNorm2d stores the finite moved variance. Same tolerance as above."""
+    inf; the float64 moved variance is finite, as torch.nn.BatchNorm2d stores it (since after
+    2.4, whose CPU kernel stored inf too). Same tolerance as above."""
     import syncbn
 
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(6, 3, 4, 5, generator=gen, dtype=torch.float64) * 400 + 30).half()
     ours = syncbn.SyncBatchNormAct(3, activation=activation).half()
-    torchs = torch.nn.BatchNorm2d(3).half()
     ours(x)
-    torchs(x)
-    assert torch.isfinite(torchs.running_var).all()
-    torch.testing.assert_close(ours.running_var.double(), torchs.running_var.double(), rtol=2e-3, atol=0)
-    torch.testing.assert_close(ours.running_mean.double(), torchs.running_mean.double(), rtol=2e-3, atol=1e-3)
+    check_half_buffers([(x.double(), ours.running_mean.double(), ours.running_var.double())])
