@@ -87,6 +87,17 @@ def empty_group_setup(channels=3):
             "bias": torch.randn(channels, generator=gen, dtype=torch.float64)}
 
 
+def load_empty_group_setup(layer, start, track):
+    """``layer`` (syncbn's or torch's) given the starting values ``start`` (:func:`empty_group_setup`)."""
+    with torch.no_grad():
+        layer.weight.copy_(start["weight"])
+        layer.bias.copy_(start["bias"])
+        if track:
+            layer.running_mean.copy_(start["running_mean"])
+            layer.running_var.copy_(start["running_var"])
+    return layer
+
+
 def empty_group_last(world, channels=3):
     """The last step's inputs and output gradients on every rank (an empty rank among them)."""
     sizes = (2, 0, 3, 1)[:world] if world > 2 else (2, 3)
@@ -126,12 +137,7 @@ def empty_group_job(world, form, momentum, track, path="cpu", activation=("leaky
             kwargs = {"activation": activation[0], "activation_param": activation[1]}
         layer = getattr(syncbn, form)(3, momentum=momentum, track_running_stats=track, process_group=group,
                                       **kwargs).double()
-        with torch.no_grad():
-            layer.weight.copy_(start["weight"])
-            layer.bias.copy_(start["bias"])
-            if track:
-                layer.running_mean.copy_(start["running_mean"])
-                layer.running_var.copy_(start["running_var"])
+        load_empty_group_setup(layer, start, track)
         weight, bias = layer.weight, layer.bias
         buffers = [None, None]
     xs, dys = empty_group_last(world)
@@ -177,12 +183,7 @@ def empty_group_reference(world, form, momentum, track, activation=("leaky_relu"
     concatenated."""
     start = empty_group_setup()
     layer = torch.nn.BatchNorm2d(3, momentum=momentum, track_running_stats=track).double()
-    with torch.no_grad():
-        layer.weight.copy_(start["weight"])
-        layer.bias.copy_(start["bias"])
-        if track:
-            layer.running_mean.copy_(start["running_mean"])
-            layer.running_var.copy_(start["running_var"])
+    load_empty_group_setup(layer, start, track)
     buffers = [start["running_mean"].clone(), start["running_var"].clone()] if track else [None, None]
     xs, dys = empty_group_last(world)
     empty = torch.empty(0, 3, *EMPTY_TAIL, dtype=torch.float64)
