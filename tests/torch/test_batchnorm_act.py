@@ -327,6 +327,7 @@ def test_too_few_values_raise_on_every_rank(pool):
     raises for one value per channel (every rank empty does not: see below)."""
     for message in pool.run(too_few_job, (1, 0, 0))[:3]:
         assert message is not None and "more than 1 value per channel" in message
+        assert "across the process group" in message and "local input shape" in message
 
 
 @pytest.mark.parametrize("activation", [("leaky_relu", 0.1), ("elu", 1.0), ("identity", 0.01)])
@@ -504,6 +505,11 @@ def test_bad_input_names_the_problem():
         layer(torch.ones(2, 4, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         layer(torch.randn(1, 4))
+    # ELU takes the general path (not the local kernels): in one process there is no
+    # group to name (the count rule is syncbn.functional's, in its words)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as err:
+        syncbn.SyncBatchNormAct(4, activation="elu")(torch.randn(1, 4))
+    assert "process group" not in str(err.value) and "(local input shape (1, 4))" in str(err.value)
     assert "activation='leaky_relu', activation_param=0.01" in repr(layer)
 
 

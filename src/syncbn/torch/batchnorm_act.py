@@ -134,7 +134,7 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import (check_dtypes, flat_spatial, refuse_capture, refuse_create_graph,
+from .functional import (_check_count, check_dtypes, flat_spatial, refuse_capture, refuse_create_graph,
                          unflat_spatial)
 from .recompute import recomputing
 
@@ -325,17 +325,10 @@ class _SyncBatchNormAct(torch.autograd.Function):
         if syncing:
             packed, ok = fingerprint.all_reduce_checked(packed, group, tag, distributed.group_size(group))
         count, mean, var = stats.merge_moments(packed, channels)
-        # as in syncbn.functional: only ranks with at most one local value can see a
-        # global count of 1, and when it is, every rank reads it and raises alike (a count
-        # of 0, every rank empty, is torch's empty batch: the buffers stay as they are)
-        if n <= 1 and _compiling():
-            torch._assert_async(count != 1, "Expected more than 1 value per channel when training")
-        elif n <= 1 and int(count.item()) == 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {int(count.item())} "
-                f"value(s) per channel in total across the process group (local input shape "
-                f"{tuple(x.shape)})"
-            )
+        # only ranks with at most one local value can see a global count of 1, and when it
+        # is, every rank reads it and raises alike (a count of 0, every rank empty, is
+        # torch's empty batch: the buffers stay as they are)
+        _check_count(count, n, x.shape, syncing=syncing)
         if running_mean is not None or running_var is not None:
             stats.update_running_stats(running_mean, running_var, mean, var, count, momentum, ok=ok)
 
@@ -468,7 +461,7 @@ KERNEL_ELU_DTYPES = (torch.float32, torch.float64)
 
 def _takes_kernels(x: Tensor, activation: str) -> bool:
     return (activation in KERNEL_ACTIVATIONS and (activation != "elu" or x.dtype in KERNEL_ELU_DTYPES)
-            and stats.cuda_path(x) and not _compiling() and stats.triton_path(x))
+            and stats.cuda_path(x) and not distributed.compiling() and stats.triton_path(x))
 
 
 def kept_capacity(channels: int) -> int:
@@ -483,7 +476,7 @@ class KeptChannelsOverflow(RuntimeError):
 def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation,
                     param, inplace, tag):
     from . import kernels
-    from .functional import _check_count, _empty_payload, _momentum_tensor
+    from .functional import _empty_payload, _momentum_tensor
 
     channels, device = x.shape[1], x.device
     n = x.numel() // channels
@@ -639,7 +632,7 @@ def _local_kernels_fit(x: Tensor, weight, bias, activation: str, param: float, e
     ``|w| <= sqrt(max * sqrt(eps) / 4)`` so that it cannot overflow: ``invstd`` is at
     most ``1 / sqrt(eps)``). One read of a flag on the host, as the general path's
     channel choice."""
-    if activation == "elu" or x.dtype not in (torch.float32, torch.float64) or _compiling():
+    if activation == "elu" or x.dtype not in (torch.float32, torch.float64) or distributed.compiling():
         return False
     if x.device.type not in stats.NATIVE_KERNEL_DEVICES:
         return False
@@ -756,11 +749,6 @@ def _grad_in_layout(dy: Tensor, y: Tensor):
     may be overwritten; autograd's own gradient never is."""
     laid_out = dy.contiguous(memory_format=stats.memory_format(y))
     return laid_out, laid_out is not dy
-
-
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
 
 
 def _dual(*tensors) -> bool:

@@ -170,7 +170,7 @@ def _pack_moments(x: Tensor, dtype: torch.dtype) -> Tensor:
     return stats.pack_moments(x, dtype)
 
 
-def _check_count(count: Tensor, n: int, shape, device_side: bool = False) -> None:
+def _check_count(count: Tensor, n: int, shape, device_side: bool = False, syncing: bool = True) -> None:
     """Raise on every rank when the group holds exactly one value per channel.
 
     That is torch's rule (``torch.nn.BatchNorm2d`` raises for one value per channel and
@@ -183,24 +183,26 @@ def _check_count(count: Tensor, n: int, shape, device_side: bool = False) -> Non
     break the graph: there the check is an asynchronous assert in the graph instead
     (raised where the compiled kernel runs, on the same ranks). The CUDA path
     (``device_side``) takes that assert too: no host synchronisation, at the price of a
-    device-side error.
+    device-side error. ``syncing=False`` (one process, a layer that computes locally)
+    drops "across the process group" from the message.
     """
     if n > 1:
         return
+    where = " across the process group" if syncing else ""
     if device_side or distributed.compiling():
-        torch._assert_async(count != 1, "Expected more than 1 value per channel when training across the process group")
+        torch._assert_async(count != 1, f"Expected more than 1 value per channel when training{where}")
         return
-    _refuse_count(count.item(), shape)
+    _refuse_count(count.item(), shape, syncing)
 
 
-def _refuse_count(total: float, shape) -> None:
+def _refuse_count(total: float, shape, syncing: bool = True) -> None:
     """Raise where the group's count ``total`` (the same number on every rank) is 1
     (0, every rank empty, is an empty batch, as torch.nn takes it)."""
     if total == 1:
+        where = " across the process group" if syncing else ""
         raise ValueError(
-            f"Expected more than 1 value per channel when training across the process "
-            f"group, got {int(total)} value(s) per channel in total "
-            f"(local input shape {tuple(shape)})"
+            f"Expected more than 1 value per channel when training{where}, got {int(total)} "
+            f"value(s) per channel in total (local input shape {tuple(shape)})"
         )
 
 
