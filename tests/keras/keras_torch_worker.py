@@ -314,6 +314,21 @@ def check_convert_torch_module_wrapper(info):
                 result["refused"][label] = "no error"
             except ValueError as err:
                 result["refused"][label] = str(err)
+
+        # a TorchModuleWrapper straight in a Functional model: Keras's safe mode refuses to
+        # unpickle its config; the error says how to allow it, and allowed, the copy computes
+        # as the original (last here: the switch is global and has no public way back)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.TorchModuleWrapper(nn.Linear(4, 4), output_shape=(None, 4), name="direct")(inputs)
+        model = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(hidden))
+        try:
+            convert(model)
+            result["direct"] = {"safe": "no error"}
+        except TypeError as err:
+            result["direct"] = {"safe": str(err)}
+        keras.config.enable_unsafe_deserialization()
+        made = revert(convert(model))
+        result["direct"]["allowed"] = float(np.max(np.abs(made(x).detach().numpy() - model(x).detach().numpy())))
     info["convert_torch_module_wrapper"] = result
 
 

@@ -177,6 +177,20 @@ def test_convert_of_a_torch_module_wrapper_computes_as_the_original(run):
             assert entry["wrapped after"][step] and all(entry["wrapped after"][step]), (label, step, entry)
 
 
+def test_convert_of_a_torch_module_wrapper_in_safe_mode_names_the_switch(run):
+    """A TorchModuleWrapper placed straight in a Functional model is copied from its
+    config, which Keras's safe mode refuses to unpickle: the error names the layer and
+    Keras's switch (not the general advice about get_config), and with the switch on the
+    reverted copy computes as the original, bit for bit (the same layers, the same
+    inference-mode ops)."""
+    result = _wrapper_result(run)["direct"]
+    message = result["safe"]
+    assert "cannot copy layer 'direct' of type TorchModuleWrapper" in message, message
+    assert "keras.config.enable_unsafe_deserialization() before converting" in message, message
+    assert "give it a get_config()" not in message, message
+    assert result["allowed"] == 0.0, result
+
+
 def test_convert_still_refuses_a_torch_module_wrapper_configured_otherwise(run):
     """A wrapped torch module that the copy, made from its owner's config, builds otherwise
     (another Dropout rate, a ReLU added: constructor arguments that get_config() leaves

@@ -647,10 +647,17 @@ def _copy_layer(layer, verb):
     try:
         return layer.__class__.from_config(layer.get_config())
     except Exception as err:
+        # Keras's safe mode refuses configs that hold code or pickles (a Lambda's function,
+        # a TorchModuleWrapper's module); its message names the switch. Only the advice
+        # depends on this test of the message: a miss gives the general advice.
+        if "safe_mode" in str(err):
+            advice = ("Keras's safe mode refused to rebuild it from its config: if you trust the "
+                      "layer, call keras.config.enable_unsafe_deserialization() before converting")
+        else:
+            advice = "give it a get_config() that its constructor accepts"
         raise TypeError(
             f"{verb}: cannot copy layer {layer.name!r} of type {type(layer).__name__} from "
-            f"its config ({type(err).__name__}: {err}); give it a get_config() that its "
-            f"constructor accepts"
+            f"its config ({type(err).__name__}: {err}); {advice}"
         ) from err
 
 
