@@ -92,6 +92,23 @@ def test_an_input_shape_the_model_cannot_take_exits_2_before_any_rank_starts(cap
     assert time.monotonic() - start < 30
 
 
+def test_a_factory_or_module_that_raises_is_a_usage_error(tmp_path, capsys):
+    """A factory that raises, or a model file that fails as it is imported, ended verify
+    with the raw traceback and exit 1 (the status of a synchronization that is not exact);
+    it is the user's code failing in this process, named with exit 2 before any rank starts."""
+    (tmp_path / "broken_factory.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    (tmp_path / "broken_module.py").write_text("undefined_name + 1\n\ndef build():\n    pass\n")
+    start = time.monotonic()
+    assert verify.main([str(tmp_path / "broken_factory.py") + ":build", "--input-shape", SHAPE]) == 2
+    err = capsys.readouterr().err
+    assert "broken_factory.py:build raised while building the model" in err, err
+    assert "RuntimeError: no weights here" in err, err
+    assert verify.main([str(tmp_path / "broken_module.py") + ":build", "--input-shape", SHAPE]) == 2
+    err = capsys.readouterr().err
+    assert "broken_module.py:build raised while building the model" in err and "NameError" in err, err
+    assert time.monotonic() - start < 30
+
+
 def _verdict(ours, reference, tolerance=1e-6):
     """``verify.compare``'s verdict for one layer output, one buffer and one parameter,
     where both ranks report ``ours`` and the one-process reference is ``reference``

@@ -190,7 +190,16 @@ def _check_runs_here(spec: VerifySpec) -> None:
     error (exit 2) named here, not a distributed FAIL (exit 1) that reads as syncbn's."""
     import torch
 
-    model = build_model(spec)
+    try:
+        model = build_model(spec)
+    except UsageError:
+        raise
+    except Exception as exc:  # the user's module or factory raised: name it, exit 2
+        raise UsageError(
+            f"{spec.target} raised while building the model in this process, before any rank starts: "
+            f"{type(exc).__name__}: {exc}. Check that the module imports and the factory runs without "
+            "syncbn (call it in Python to see the traceback)"
+        ) from exc
     x = whole_batch(spec, 0)
     try:
         with torch.no_grad():
