@@ -260,3 +260,47 @@ def test_layers_that_saw_at_most_one_value_across_ranks(pool):
     for name in ("used", "unused", "single"):
         for r in results[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r["buffers"][name], results[0]["buffers"][name]))
+
+
+class BatchNormThenDrop(nn.BatchNorm1d):
+    """A norm layer holding a dropout module it applies after normalizing (as timm's
+    BatchNormAct2d and syncbn's SyncBatchNormDropAct hold their ``drop``)."""
+
+    def __init__(self, channels):
+        super().__init__(channels)
+        self.drop = nn.Dropout(0.9)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+@pytest.mark.parametrize("convert", [False, True])
+def test_modules_inside_a_layer_keep_their_eval_mode_during_the_passes(convert):
+    """Only the layer itself runs in training mode: a dropout it holds stays in eval,
+    as the model was put, so the next layer's statistics are those of undropped values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), BatchNormThenDrop(4), nn.Linear(4, 2), nn.BatchNorm1d(2)).double()
+    if convert:
+        from syncbn.torch.timm import SyncBatchNormDropAct
+
+        layer = SyncBatchNormDropAct(4).double()
+        layer.drop = model[1].drop
+        model[1] = layer
+    model.eval()
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randn(6, 3, generator=gen, dtype=torch.float64) + 4 for _ in range(3)]
+    seen = []
+    model[3].register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    syncbn.precise_bn(model, batches, num_batches=3, progress=False)
+    assert not any(m.training for m in model.modules())
+    # what layer 3 sees with layer 1 normalizing by its batch statistics and nothing dropped
+    with torch.no_grad():
+        want = [model[2](nn.functional.batch_norm(model[0](x), None, None, model[1].weight, model[1].bias, True))
+                for x in batches]
+    assert len(seen) == 3
+    for got, expected in zip(seen, want):
+        # the same float64 operations in the same order: equal to rounding, ~1e-15; 1e-12 leaves room
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    mean, var = population(want)
+    torch.testing.assert_close(model[3].running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model[3].running_var, var, rtol=1e-12, atol=1e-12)

@@ -179,6 +179,13 @@ def precise_bn(
         for _, m in layers:
             m.train()
             m.track_running_stats = False  # normalize with batch statistics, keep the buffers
+        # train() also switched the modules a layer holds (timm's drop and act): they keep
+        # their own mode, as every other module does (a dropout stays off in an eval model)
+        targets = {m for _, m in layers}
+        for _, m in layers:
+            for inner in m.modules():
+                if inner not in targets:
+                    inner.training = modes[inner]
         iterator = iter(batches)
         with torch.no_grad():
             while done < num_batches:
