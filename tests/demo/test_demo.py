@@ -167,6 +167,32 @@ def test_nccl_needs_cuda():
         cli.main(["demo", "--backend", "nccl", "--device", "cpu"])
 
 
+def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, monkeypatch):
+    """--out under a file (or anywhere the folder cannot be made) trained every run for
+    minutes, then ended in a FileNotFoundError traceback from the report writer; it is now
+    refused first, naming the option and the reason, and the check leaves no trace."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(demo_torch, "run", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit, match=r"--out .*a_file/out: .*a_file is not a folder"):
+        cli.main(["demo", "--quick", "--out", str(blocker / "out")])
+    with pytest.raises(SystemExit, match="exists and is not a folder"):
+        cli.main(["demo", "--quick", "--out", str(blocker)])
+    good = tmp_path / "new" / "report"
+    demo.check(demo.config_from_args(cli.build_parser("demo").parse_args(["demo", "--out", str(good)])))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing made, nothing left
+
+
+@pytest.mark.parametrize("option", ["--world-size", "--steps", "--batch-per-rank"])
+def test_a_count_that_is_not_an_integer_is_named(option, capsys):
+    """argparse named the converter ('invalid _positive value') instead of what was expected."""
+    with pytest.raises(SystemExit):
+        cli.main(["demo", option, "two"])
+    err = capsys.readouterr().err
+    assert f"argument {option}: expected a positive integer, got 'two'" in err, err
+    assert "_positive" not in err
+
+
 def test_cli_without_a_command_prints_help(capsys):
     assert cli.main([]) == 2
     assert "demo" in capsys.readouterr().out

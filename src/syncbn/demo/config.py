@@ -115,3 +115,30 @@ def check(config: DemoConfig) -> None:
         raise SystemExit(f"syncbn demo: --lr must be positive, got {config.lr}")
     if config.background_weight <= 0 or not math.isfinite(config.background_weight):
         raise SystemExit(f"syncbn demo: --background-weight must be positive, got {config.background_weight}")
+    problem = _unwritable(config.out)
+    if problem:
+        raise SystemExit(f"syncbn demo: --out {config.out}: {problem}; the report is written there after "
+                         "training, so give a folder that can be created and written")
+
+
+def _unwritable(out: str) -> Optional[str]:
+    """Why the folder ``out`` could not be created or written, or None. Leaves nothing
+    behind: it makes and removes an empty folder in ``out``, or in the nearest existing
+    folder above it (where ``os.makedirs`` will start), a real try where permission bits
+    say nothing (root, /proc, a read-only mount)."""
+    import os
+    import tempfile
+
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a folder"
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".syncbn-demo-", dir=parent))
+    except OSError as exc:
+        return f"cannot write in {parent} ({exc.strerror or exc})"
+    return None
