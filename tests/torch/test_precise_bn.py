@@ -304,3 +304,20 @@ def test_modules_inside_a_layer_keep_their_eval_mode_during_the_passes(convert):
     mean, var = population(want)
     torch.testing.assert_close(model[3].running_mean, mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model[3].running_var, var, rtol=1e-12, atol=1e-12)
+
+
+def test_lazy_layer_materialized_by_load_state_dict():
+    """A lazy batch norm given its tensors by ``load_state_dict`` keeps ``num_features`` 0
+    (its first forward, during the passes, does not set it): the channel count comes from
+    its buffers, and it gets its population statistics like any layer."""
+    lazy = nn.LazyBatchNorm1d(dtype=torch.float64)
+    lazy.load_state_dict(nn.BatchNorm1d(3, dtype=torch.float64).state_dict())
+    assert lazy.num_features == 0
+    model = nn.Sequential(lazy)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(5, 3, generator=gen, dtype=torch.float64) * 2 + 1 for _ in range(3)]
+    assert syncbn.precise_bn(model, batches, num_batches=3, progress=False) == 3
+    mean, var = population(batches)
+    # float64 sums of 15 values: rounding ~1e-15 relative; 1e-12 leaves room
+    torch.testing.assert_close(model[0].running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model[0].running_var, var, rtol=1e-12, atol=1e-12)

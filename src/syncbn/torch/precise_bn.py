@@ -242,7 +242,7 @@ def _write_population_stats(layers, sums, saved, group, device, world) -> None:
     """Pool the sums of every layer over the ranks (one all-reduce) and write the buffers."""
     dtype = stats.accumulate_dtype(device)
     packs = [
-        torch.zeros(2 * m.num_features + 1, dtype=dtype, device=device) if s is None else s.to(device)
+        torch.zeros(2 * m.running_mean.numel() + 1, dtype=dtype, device=device) if s is None else s.to(device)
         for (_, m), s in zip(layers, sums)
     ]
     flat = torch.cat(packs)
@@ -260,7 +260,8 @@ def _write_population_stats(layers, sums, saved, group, device, world) -> None:
             m.running_mean.copy_(mean0)
             m.running_var.copy_(var0)
             continue
-        total, mean, var = stats.merge_moments(packed, m.num_features)
+        # the channels of its buffers: a lazy layer loaded from a state_dict keeps num_features 0
+        total, mean, var = stats.merge_moments(packed, m.running_mean.numel())
         m.running_mean.copy_(mean.to(m.running_mean.dtype))
         m.running_var.copy_((var * (total / (total - 1))).to(m.running_var.dtype))
     if skipped:
