@@ -125,3 +125,33 @@ def test_import_syncbn_does_not_import_lightning():
     code = "import sys, syncbn; syncbn.convert_sync_batchnorm; print('lightning' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_revert_undoes_only_what_apply_did():
+    """The plugin's ``revert`` (run at the end of every ``fit``) gives back the layers its
+    ``apply`` converted, and leaves the synchronized layers the model was built with as
+    they were: their class, process group, fusion and ``state_dict`` keys (a checkpoint
+    saved during ``fit`` loads after it; a second ``fit`` syncs over the same group)."""
+    import syncbn
+    import syncbn.torch.lightning
+
+    group = object()  # a stand-in for the model's own process group: nothing here communicates
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1),  # fused below, before fit
+        nn.BatchNorm2d(4),  # plain: apply converts it
+        syncbn.SyncBatchNorm(4, process_group=group),  # built synchronized, on its own group
+        syncbn.SyncBatchNormAct(4, activation="elu", activation_param=1.0),  # built fused
+    )
+    syncbn.fuse_batchnorm_act(model)
+    before = dict(model.named_children())
+    keys = list(model.state_dict())
+    plugin = syncbn.torch.lightning.SyncBatchNorm()
+    for _ in range(2):  # two fits
+        model = plugin.apply(model)
+        assert type(model[3]) is syncbn.SyncBatchNorm
+        model = plugin.revert(model)
+        assert type(model[3]) is nn.BatchNorm2d
+        for i in (1, 2, 4, 5):
+            assert model[i] is before[str(i)], i
+        assert model[4].process_group is group
+        assert list(model.state_dict()) == keys

@@ -559,11 +559,24 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     ``state_dict`` keys do not change); any other ``SyncBatchNormAct`` becomes
     ``nn.Sequential(BatchNorm, activation)`` (its keys gain a ``0.`` level).
     """
+    return _revert(module, keep=())
+
+
+def _synchronized_layers(module: nn.Module) -> list:
+    """The layers of ``module`` that :func:`convert_sync_batchnorm` leaves as they are
+    because they are synchronized already (what :func:`_revert` can be told to keep)."""
+    return [m for m in module.modules() if _classify(m) == "synced"]
+
+
+def _revert(module: nn.Module, keep) -> nn.Module:
+    """:func:`revert_sync_batchnorm`, leaving the layers in ``keep`` (and the placeholders
+    of those fused ones) as they are: the Lightning plugin reverts only what it converted."""
     _register_known()
+    kept = {id(m) for m in keep}
     names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
     skipped = []
     placeholders = [m for m in module.modules() if isinstance(m, _FusedActivation)]
-    layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct)}
+    layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct) and id(m) not in kept}
     restored = {id(p._syncbn_fused_into) for p in placeholders if id(p._syncbn_fused_into) in layers}
 
     def plain(m: nn.Module) -> bool:  # a SyncBatchNorm that reverts to a plain batch norm
@@ -571,6 +584,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
                 and not _overridden(_class_of(m), (SyncBatchNorm,)))
 
     def swap(m: nn.Module) -> nn.Module:
+        if id(m) in kept:
+            return m
         if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
             # hooks move with the layer, but not from a SyncBatchNormAct that no registered
             # conversion made: a forward or backward hook on it sees the activated output

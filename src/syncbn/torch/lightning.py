@@ -2,10 +2,11 @@
 
 A ``LayerSync`` plugin: Lightning calls its ``apply`` on the model before wrapping it for
 distributed training (``syncbn.convert_sync_batchnorm``) and its ``revert`` at the end of
-``fit`` (``syncbn.revert_sync_batchnorm``). Unlike ``Trainer(sync_batchnorm=True)``
-(``torch.nn.SyncBatchNorm``, GPU only), it works on the CPU with gloo as well as on GPUs,
-and it synchronizes timm's norm-act layers and any class registered with
-:func:`syncbn.register_conversion`. Leave ``sync_batchnorm`` at its default (False): the
+``fit`` (``syncbn.revert_sync_batchnorm`` of the layers ``apply`` converted: layers the
+model held synchronized already, built so or fused, stay as they are). Unlike
+``Trainer(sync_batchnorm=True)`` (``torch.nn.SyncBatchNorm``, GPU only), it works on the
+CPU with gloo as well as on GPUs, and it synchronizes timm's norm-act layers and any class
+registered with :func:`syncbn.register_conversion`. Leave ``sync_batchnorm`` at its default (False): the
 plugin replaces it.
 
 Importing this module imports Lightning (``lightning.pytorch``, or ``pytorch_lightning``
@@ -15,8 +16,9 @@ where only that one is installed or already imported); ``import syncbn`` does no
 from __future__ import annotations
 
 import sys
+import weakref
 
-from .conversion import convert_sync_batchnorm, revert_sync_batchnorm
+from .conversion import _revert, _synchronized_layers, convert_sync_batchnorm
 
 if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
     from pytorch_lightning.plugins.layer_sync import LayerSync
@@ -42,7 +44,18 @@ class SyncBatchNorm(LayerSync):
         self.strict = strict
 
     def apply(self, model):
+        # the layers synchronized already (built so, or fused): revert leaves them as they are
+        self._kept = weakref.WeakSet(_synchronized_layers(model))
         return convert_sync_batchnorm(model, process_group=self.process_group, strict=self.strict)
 
     def revert(self, model):
-        return revert_sync_batchnorm(model)
+        """Undo what :meth:`apply` did: the layers it converted go back (as
+        :func:`syncbn.revert_sync_batchnorm` does); the synchronized layers the model
+        held before (built with syncbn's layers, fused, converted by the user) stay, with
+        their process group and ``state_dict`` keys."""
+        return _revert(model, keep=list(getattr(self, "_kept", ())))
+
+    def __getstate__(self):  # Lightning's spawn launcher pickles the trainer with its plugins
+        state = dict(self.__dict__)
+        state.pop("_kept", None)
+        return state
