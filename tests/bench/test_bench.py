@@ -224,6 +224,19 @@ def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
 
 
+def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """--out under a file ended in pathlib's FileNotFoundError traceback (exit 1); it is a
+    usage error naming the option, before any peer runs."""
+    from syncbn import cli
+
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: pytest.fail("the bench started"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert cli.main(["bench", "--quick", "--out", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"syncbn bench: --out {blocker / 'out'}: cannot create this folder" in err, err
+
+
 def test_communication_models():
     for c in (1, 64, 256):
         payloads = {communication.syncbn_model(w, c)["forward_payload_bytes"] for w in (2, 8, 1024)}
