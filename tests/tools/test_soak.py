@@ -2,6 +2,8 @@
 under DDP): resident memory grows by less than 10 MB after the warm-up and the file
 descriptors and threads stay as they were. The full run is ``syncbn soak`` (5,000 steps)."""
 
+import pytest
+
 from syncbn.tools.soak import process_figures, soak, soak_reset
 
 
@@ -44,3 +46,20 @@ def test_arguments_that_measure_nothing_are_usage_errors(capsys):
     assert "--steps (300) must be more than 500" in capsys.readouterr().err
     assert main(["soak", "--steps", "250", "--every", "250", "--warmup", "0"]) == 2
     assert main(["soak", "--steps", "0"]) == 2
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--world-size", "1", "--world-size must be at least 2, got 1"),
+    ("--every", "0", "--every must be at least 1, got 0"),
+    ("--warmup", "-1", "--warmup must be 0 or more, got -1"),
+    ("--max-growth-mb", "nan", "--max-growth-mb must be a finite number >= 0, got nan"),
+    ("--timeout", "0", "--timeout must be a positive number, got 0.0"),
+])
+def test_a_bad_option_is_named(option, value, message, capsys):
+    """One sentence listed every rule whichever option broke one (and a NaN --max-growth-mb,
+    which no growth exceeds, passed every run); the message names the option and its value."""
+    from syncbn.cli import main
+
+    assert main(["soak", option, value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("must") == 1, err

@@ -162,9 +162,19 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from .launch import WorkerPool
 
-    if args.steps < 1 or args.every < 1 or args.world_size < 2 or args.warmup < 0:
-        print("syncbn soak: --steps and --every must be positive, --warmup not negative and --world-size "
-              "at least 2", file=sys.stderr)
+    import math
+
+    wrong = [f"{option} must be {rule}, got {value}" for option, value, bad, rule in (
+        ("--steps", args.steps, args.steps < 1, "at least 1"),
+        ("--every", args.every, args.every < 1, "at least 1"),
+        ("--warmup", args.warmup, args.warmup < 0, "0 or more"),
+        ("--world-size", args.world_size, args.world_size < 2, "at least 2"),
+        ("--max-growth-mb", args.max_growth_mb, not (args.max_growth_mb >= 0 and math.isfinite(args.max_growth_mb)),
+         "a finite number >= 0"),
+        ("--timeout", args.timeout, not (args.timeout > 0 and math.isfinite(args.timeout)), "a positive number"),
+    ) if bad]
+    if wrong:
+        print("syncbn soak: " + "; ".join(wrong), file=sys.stderr)
         return 2
     first = args.warmup if args.warmup > 0 else args.every  # the step growth is measured from
     if args.steps <= first:
