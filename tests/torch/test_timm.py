@@ -165,3 +165,22 @@ def test_two_ranks_equal_one_big_batch(pool, name):
     for key, ref in buffers.items():
         for r in results:
             _close(r["buffers"][key], ref, buffers2[key] - ref, key)
+
+
+def test_a_converted_model_traces_with_torch_fx_as_timm_s_does():
+    """torch.fx (torchvision's create_feature_extractor, ...) traces timm's BatchNormAct2d;
+    the converted layer is recorded as one call of the layer, as syncbn.SyncBatchNorm is
+    (its forward cannot be traced: it checks and reads values). Tracing it failed with
+    'symbolically traced variables cannot be used as inputs to control flow'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 1), timm.layers.BatchNormAct2d(4, act_layer=nn.SiLU, drop_layer=lambda: nn.Dropout(0.5)),
+    ).double()
+    torch.fx.symbolic_trace(model)  # timm's own layer traces
+    model = syncbn.convert_sync_batchnorm(model, strict=True)
+    graph = torch.fx.symbolic_trace(model)
+    assert [n.target for n in graph.graph.nodes if n.op == "call_module"] == ["0", "1"]
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    model.eval()
+    graph.eval()
+    assert torch.equal(graph(x), model(x))  # the same layer called: the same values

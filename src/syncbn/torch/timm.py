@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch.nn as nn
 from torch import Tensor
+from torch.fx import Proxy
 
 from .batchnorm import SyncBatchNorm
 from .conversion import _move_state, _synchronized, register_conversion, register_library
@@ -54,6 +55,10 @@ class SyncBatchNormDropAct(SyncBatchNorm):
         super()._check_input_dim(input)
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):  # torch.fx: one call of the layer, as SyncBatchNorm records itself
+            node = self._fx_leaf(input, SyncBatchNormDropAct.forward)
+            if node is not None:
+                return node
         x = super().forward(input)
         if "drop" in self._modules:
             x = self.drop(x)
