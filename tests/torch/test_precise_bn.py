@@ -321,3 +321,31 @@ def test_lazy_layer_materialized_by_load_state_dict():
     # float64 sums of 15 values: rounding ~1e-15 relative; 1e-12 leaves room
     torch.testing.assert_close(model[0].running_mean, mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model[0].running_var, var, rtol=1e-12, atol=1e-12)
+
+
+class KeywordCall(nn.Module):
+    """Calls its batch norm with the input by keyword, ``bn(input=x)`` (torch's name)."""
+
+    def __init__(self, bn):
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x):
+        return self.bn(input=x)
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm1d", "SyncBatchNorm", "SyncBatchNormAct"])
+def test_a_layer_called_with_its_input_by_keyword(layer):
+    """The recording hook takes the input given as ``input=`` too (it raised IndexError on
+    the empty positional arguments), and the layer gets its population statistics."""
+    bn = {"BatchNorm1d": lambda: nn.BatchNorm1d(3, dtype=torch.float64),
+          "SyncBatchNorm": lambda: syncbn.SyncBatchNorm(3, dtype=torch.float64),
+          "SyncBatchNormAct": lambda: syncbn.SyncBatchNormAct(3, dtype=torch.float64)}[layer]()
+    model = KeywordCall(bn)
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(6, 3, generator=gen, dtype=torch.float64) * 3 - 2 for _ in range(3)]
+    assert syncbn.precise_bn(model, batches, num_batches=3, progress=False) == 3
+    mean, var = population(batches)
+    # float64 sums of 18 values: rounding ~1e-15 relative; 1e-12 leaves room
+    torch.testing.assert_close(bn.running_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bn.running_var, var, rtol=1e-12, atol=1e-12)

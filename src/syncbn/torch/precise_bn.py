@@ -76,11 +76,12 @@ class _Recorder:
 
     def __init__(self, layers):
         self.sums: List[Optional[torch.Tensor]] = [None] * len(layers)
-        self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, (_, m) in enumerate(layers)]
+        self.handles = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, (_, m) in enumerate(layers)]
 
     def _hook(self, index: int):
-        def record(module, args):
-            x = args[0].detach()
+        def record(module, args, kwargs):
+            # a batch norm's one input, given by position or as ``input=`` (torch's name)
+            x = (args[0] if args else kwargs["input"]).detach()
             packed = stats.pack_moments(x, stats.accumulate_dtype(x.device))
             total = self.sums[index]
             self.sums[index] = packed if total is None else total.add_(packed.to(total.device))
