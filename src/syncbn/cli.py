@@ -38,7 +38,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     ),
     "soak": (
         "syncbn.tools.soak",
-        "train small converted models for many steps at W=2 and check that memory, fds and threads stay flat",
+        "train small converted models for many steps on W local processes and check that memory, fds and threads stay flat",
     ),
 }
 

@@ -8,7 +8,7 @@ reports its resident memory, open file descriptors and threads (from ``/proc/sel
 the run passes when, after the ``--warmup`` steps, no rank's resident memory grows by
 more than ``--max-growth-mb`` (10 MB) over its figure at the end of the warm-up, and its
 descriptor and thread counts never change. Not part of CI (CI runs 200 steps, see
-``tests/test_soak.py``). Linux only (``/proc``).
+``tests/tools/test_soak.py``). Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ import sys
 import time
 from typing import Callable, Dict, List
 
-HELP = "train small converted models for many steps at W=2 and check that memory, fds and threads stay flat"
+HELP = "train small converted models for many steps on W local processes and check that memory, fds and threads stay flat"
+
+DESCRIPTION = """\
+W local gloo processes (--world-size, default 2) train two small converted models side by
+side under DDP, one of syncbn.SyncBatchNorm layers and one of syncbn.SyncBatchNormAct
+layers, for --steps steps with an eval pass now and then. Every --every steps each rank
+reports its resident memory, open file descriptors and threads (from /proc/self). The run
+passes (exit 0) when, after the --warmup steps, no rank's resident memory grows by more than
+--max-growth-mb over its figure at the end of the warm-up and its descriptor and thread
+counts never change; else it fails (exit 1). Linux only."""
 
 __all__ = ["process_figures", "soak_chunk", "soak", "add_arguments", "run"]
 
@@ -151,12 +160,16 @@ def soak(run_job: Callable, world: int, steps: int, every: int, warmup: int, max
 
 
 def add_arguments(parser) -> None:
+    import argparse
+
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--steps", type=int, default=5000, help="training steps (default 5000)")
     parser.add_argument("--world-size", type=int, default=2, help="local gloo processes (default 2)")
     parser.add_argument("--every", type=int, default=250, help="report every this many steps (default 250)")
     parser.add_argument("--warmup", type=int, default=500, help="steps before growth is counted (default 500)")
     parser.add_argument("--max-growth-mb", type=float, default=10.0, help="allowed RSS growth per rank (default 10)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
+    parser.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
 
 
 def run(args) -> int:
