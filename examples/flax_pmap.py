@@ -25,7 +25,11 @@ def parse_args():
     parser.add_argument("--per-device-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("devices", "per_device_batch", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
 
 
 def main():

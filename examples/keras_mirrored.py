@@ -25,7 +25,11 @@ def parse_args():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=512, help="training images")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("replicas", "per_replica_batch", "epochs", "samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
 
 
 def make_data(rng, samples, size=16, classes=3):

@@ -89,6 +89,16 @@ def parse_args(argv=None):
         parser.error(f"--num-classes must be in 2..{IGNORE} (label {IGNORE} means ignore)")
     if not 0 < args.scale[0] <= args.scale[1]:
         parser.error("--scale needs 0 < MIN <= MAX")
+    if args.workers < 0:
+        parser.error("--workers must be 0 or more (0: load in the training process)")
+    voc = os.path.join(args.data, "VOCdevkit", f"VOC{args.year}")
+    if not os.path.isdir(voc):
+        parser.error(f"--data {args.data}: no folder {voc} (the Pascal VOC layout: VOCdevkit/VOC{args.year}/"
+                     "{JPEGImages, SegmentationClass, ImageSets/Segmentation/{train,val}.txt}; nothing is downloaded)")
+    for option in ("weights", "backbone_weights"):
+        path = getattr(args, option)
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"--{option.replace('_', '-')} {path}: no such file")
     return args
 
 

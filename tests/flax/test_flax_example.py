@@ -19,3 +19,12 @@ def test_flax_pmap_example():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "devices: 2, per-device batch: 4" in proc.stdout
     assert "final evaluation accuracy" in proc.stdout
+
+
+@pytest.mark.parametrize("option", ["--devices", "--per-device-batch", "--steps"])
+def test_a_count_below_one_is_named(option):
+    """--devices 0 reached JAX, which failed with "Unable to initialize backend 'cpu'";
+    the example names the option and the value."""
+    cmd = [sys.executable, str(harness.ROOT / "examples" / "flax_pmap.py"), option, "0"]
+    proc = subprocess.run(cmd, cwd=str(harness.ROOT), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"{option} must be at least 1, got 0" in proc.stderr, proc.stderr[-3000:]

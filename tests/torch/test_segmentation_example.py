@@ -64,6 +64,26 @@ def test_confusion_and_miou_by_hand():
         example.confusion_matrix(pred, torch.full_like(target, 4), 4)
 
 
+def test_a_missing_data_folder_or_weights_file_is_named_before_training(tmp_path, capsys):
+    """A --data folder without the VOC layout reached torchvision's "Dataset not found or
+    corrupted. You can use download=True", on every rank after the model was built, advice
+    this script (which downloads nothing) cannot take; a missing --weights file reached
+    torch.load. Both are argument errors naming the path."""
+    with pytest.raises(SystemExit) as stop:
+        example.parse_args(["--data", str(tmp_path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--data {tmp_path}: no folder {tmp_path / 'VOCdevkit' / 'VOC2012'}" in err, err
+    (tmp_path / "VOCdevkit" / "VOC2012").mkdir(parents=True)
+    assert example.parse_args(["--data", str(tmp_path)]).data == str(tmp_path)
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", str(tmp_path), "--weights", str(tmp_path / "nope.pth")])
+    assert f"--weights {tmp_path / 'nope.pth'}: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", str(tmp_path), "--workers", "-1"])
+    assert "--workers must be 0 or more" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("length, world", [(5, 2), (7, 3), (1, 2), (4, 4)])
 def test_validation_shards_count_every_image_once(length, world):
     shards = [list(example.ShardSampler(length, rank, world)) for rank in range(world)]
