@@ -119,5 +119,19 @@ def test_links_point_at_files_that_exist():
     assert targets and missing == []
 
 
+def test_anchors_point_at_headings_that_exist():
+    """README links into the guides by heading (``docs/torch.md#ending-a-job``); the site
+    build checks the guides' own anchors, nothing checked README's, so a renamed heading
+    would leave a link that opens the page at its top."""
+    slugify = pytest.importorskip("markdown.extensions.toc").slugify  # mkdocs' own slugs
+
+    links = re.findall(r"\]\(([^)#\s]+\.md)#([^)\s]+)\)", README.read_text())
+    assert links
+    for path, anchor in links:
+        text = re.sub(r"^```.*?^```", "", (ROOT / path).read_text(), flags=re.M | re.S)
+        headings = re.findall(r"^#+\s+(.*?)\s*$", text, flags=re.M)
+        assert anchor in {slugify(re.sub(r"[`*]", "", h), "-") for h in headings}, (path, anchor)
+
+
 def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= 250
