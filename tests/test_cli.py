@@ -2,6 +2,7 @@
 and what each ``syncbn COMMAND --help`` says, and a bad command line ends with a usage
 error naming the problem."""
 
+import sys
 from importlib import import_module
 
 import pytest
@@ -36,3 +37,14 @@ def test_an_unknown_command_is_named(capsys):
         cli.main(["frobnicate"])
     assert stop.value.code == 2
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["verify", "mymodels.py:build", "--input-shape", "2,3,8,8"], ["soak"]])
+def test_a_torch_command_without_torch_says_what_is_missing(argv, monkeypatch, capsys):
+    """Where torch is not installed (a Keras or Flax user), verify ended in a
+    ModuleNotFoundError traceback and soak in its workers dying one by one; both now say
+    that they need PyTorch, with exit 2, before starting anything."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` meets without torch
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"syncbn {argv[0]}: needs PyTorch" in err and 'pip install "syncbn[torch]"' in err, err

@@ -173,9 +173,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .launch import WorkerPool
-
     import math
+
+    try:
+        import torch  # noqa: F401  (the workers train torch models: say so before starting them)
+    except ImportError as exc:
+        print(f"syncbn soak: needs PyTorch ({exc}); install it, e.g. pip install \"syncbn[torch]\"",
+              file=sys.stderr)
+        return 2
+    from .launch import WorkerPool
 
     wrong = [f"{option} must be {rule}, got {value}" for option, value, bad, rule in (
         ("--steps", args.steps, args.steps < 1, "at least 1"),

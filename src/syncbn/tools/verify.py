@@ -862,6 +862,12 @@ def run(args: argparse.Namespace) -> int:
         sys_path=[os.getcwd()],
     )
     try:
+        import torch  # noqa: F401  (the check trains torch models: say so before anything else)
+    except ImportError as exc:
+        print(f"syncbn verify: needs PyTorch ({exc}); install it, e.g. pip install \"syncbn[torch]\"",
+              file=sys.stderr)
+        return 2
+    try:
         return verify(spec)
     except UsageError as exc:
         print(f"syncbn verify: {exc}", file=sys.stderr)
