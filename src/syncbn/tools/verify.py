@@ -117,6 +117,8 @@ def _check_spec(spec: VerifySpec) -> None:
         raise UsageError(f"--tolerance must be a finite number >= 0, got {spec.tolerance}")
     if not 0.0 < spec.timeout < float("inf"):
         raise UsageError(f"--timeout must be a positive number of seconds, got {spec.timeout}")
+    if not abs(spec.lr) < float("inf"):
+        raise UsageError(f"--lr must be a finite number, got {spec.lr}")
 
 
 # ---- building the model and the data, identically everywhere ------------------------------
@@ -776,7 +778,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=_DTYPES, default="float64", help="model and data dtype (default float64)")
     parser.add_argument("--tolerance", type=float, default=None, help="difference on the natural scale that passes whatever the conditioning (default 100 ulp: 2.2e-14 in float64, 1.2e-5 in float32)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights (torch.manual_seed before the factory runs), the data and the loss weights (default 0)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="process-group timeout: the longest any collective may wait (default 60); ranks left waiting on a rank that raised are stopped sooner")
 
 
