@@ -352,6 +352,49 @@ def jit_explicit_channel_sharding_matches_oracle():
 
 
 @check
+def jit_explicit_sharded_parameters_matches_oracle():
+    """jit on an explicit 2 x 2 mesh with the batch sharded over "data", the channels of x
+    not sharded, and scale, bias and the running statistics sharded over "model" (as a
+    model that shards its parameters over another mesh axis has them). flax.linen's
+    BatchNorm runs this; syncbn.flax's backward raised custom_vjp's type error, because
+    dx took the channel sharding of scale ("float32[12@data,5,4@model] corresponding to
+    an input of type float32[12@data,5,4]"). Both layouts, with and without a mask; the
+    gradients come from one scalar loss (outputs and running statistics against the
+    case's cotangents), so no cotangent needs a sharding of its own."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from syncbn.flax import BatchNorm
+
+    info = {}
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    put = lambda a, spec: None if a is None else jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+    for i, layout in enumerate(("channels_last", "channels_first")):
+        for masked in (True, False):
+            case = make_case(140 + 2 * i + masked, layout, "float32", masked)
+            model = BatchNorm(use_running_average=False, axis=case["axis"], momentum=MOMENTUM, epsilon=EPS)
+            variables = jax.tree.map(lambda a: put(a, P("model")), flax_variables(case))
+            x, dy, mask = (put(concat(case[k]), P("data")) for k in ("x", "dy", "mask"))
+            d_mean, d_var = (jnp.asarray(case[k][0]) for k in ("d_mean", "d_var"))
+
+            def loss(params, x):
+                y, upd = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mask=mask,
+                                     mutable=["batch_stats"])
+                stats = upd["batch_stats"]
+                value = jnp.sum(y * dy) + jnp.sum(stats["mean"] * d_mean) + jnp.sum(stats["var"] * d_var)
+                return value, (y, stats)
+
+            with jax.set_mesh(mesh):
+                (_, (y, stats)), (dparams, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+                    variables["params"], x)
+            got = dict(y=y, mean=stats["mean"], var=stats["var"], dx=dx, dscale=dparams["scale"],
+                       dbias=dparams["bias"])
+            key = f"{layout} {'masked' if masked else 'full'}"
+            info[key] = compare(got, oracle(case, case["d_mean"][0], case["d_var"][0]), "float32", key)
+    return info
+
+
+@check
 def axis_empty_matches_oracle():
     """axis=() (statistics over every axis, one scalar scale and bias, as flax.linen.BatchNorm
     accepts): the variables Flax's layer has (shapes () ), its outputs and running

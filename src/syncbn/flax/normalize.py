@@ -243,7 +243,9 @@ def _batch_norm_bwd(config, residuals, cotangents):
         # they pass back a real cotangent, the real part of what complex parameters give
         stat = jnp.real(stat)
     dx = dx - (stat if valid is None else jnp.where(valid, stat, 0))
-    dx = cast(dx, x.dtype)
+    # x's own explicit sharding: scale/bias sharded over a mesh axis that x's channels are
+    # not (parameters sharded P('m') beside a batch sharded P('d')) shard the products
+    dx = _match_sharding(cast(dx, x.dtype), x)
 
     dscale = dbias = None
     if scale is not None:
