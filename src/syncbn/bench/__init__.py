@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--out", default="syncbn-out/bench", help="output folder (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="one small point, few repeats, W <= 2 (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="one small point, few repeats, W <= 2 (1-2 minutes on 2 cores)")
     parser.add_argument("--threads", type=int, default=1, help="threads per replica (default: %(default)s)")
     parser.add_argument("--peers", nargs="+", choices=list(PEERS), default=None, metavar="PEER",
                         help=f"measure only these ({', '.join(PEERS)}; default: all that are installed)")
