@@ -53,3 +53,44 @@ def test_docstrings_are_rendered(site):
     assert "Batch normalization over the union of all ranks" in html  # SyncBatchNorm's docstring
     changelog = (site / "changelog" / "index.html").read_text()
     assert "Unreleased" in changelog  # the snippet included CHANGELOG.md
+
+
+DOCUMENTS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").rglob("*.md")])
+
+
+def test_code_blocks_are_shell_or_python_that_compiles():
+    """The guides' blocks are not run as written (README's and docs/recipes.md's are, in
+    test_readme and test_recipes), so at least each Python block must parse, and each block
+    say its language (``text`` for a tree or an output)."""
+    import doc_blocks
+
+    for path in DOCUMENTS:
+        for lang, first, body in doc_blocks.blocks(path):
+            assert lang in ("python", "bash", "text"), (path.name, first)
+            if lang == "python":
+                compile(body, f"{path.name}: {first}", "exec")
+
+
+def test_command_lines_use_options_that_exist():
+    """Every ``--option`` written after ``syncbn COMMAND`` (or ``scripts/demo``), in a block
+    or in the text, is one that command takes: a renamed option cannot stay in the docs."""
+    import re
+
+    from syncbn import cli
+
+    def options(command):
+        parser = cli.build_parser(command)
+        child = parser._subparsers._group_actions[0].choices[command]
+        return {s for action in child._actions for s in action.option_strings}
+
+    seen = 0
+    for path in DOCUMENTS:
+        text = path.read_text().replace("\\\n", " ")
+        for match in re.finditer(r"(?:\bsyncbn|scripts/demo)\s+(demo|bench|verify|soak)?([^`\n#]*)", text):
+            command = match.group(1) or ("demo" if match.group(0).startswith("scripts/demo") else None)
+            if command is None:
+                continue
+            used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", match.group(2)))
+            seen += len(used)
+            assert used <= options(command), (path.name, match.group(0), used - options(command))
+    assert seen >= 10
