@@ -1310,6 +1310,65 @@ def linen_convert_function_matches_oracle():
     return info
 
 
+def bridge_linen_model():
+    """A linen model whose batch norms are nnx layers through ``flax.nnx.bridge.ToLinen``:
+    an ``nnx.BatchNorm`` itself, then (after h*h) one held inside an nnx module."""
+    import flax.linen as nn
+    from flax import nnx
+    from flax.nnx import bridge
+
+    kw = dict(use_running_average=False, momentum=MOMENTUM, epsilon=EPS, use_fast_variance=False)
+
+    class Inner(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.BatchNorm(3, rngs=rngs, **kw)
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = bridge.ToLinen(nnx.BatchNorm, args=(3,), kwargs=kw)(x)
+            return bridge.ToLinen(Inner)(x * x)
+
+    return Net(), (("ToLinen_0",), ("ToLinen_1", "norm"))
+
+
+@check
+def linen_convert_reaches_nnx_bridge():
+    """syncbn.flax.convert(model, axis_name=...) on a linen model holding nnx.BatchNorm
+    layers through flax.nnx.bridge.ToLinen (one as the wrapped class, one inside a wrapped
+    nnx module) under pmap on 2 devices: output, dx, scale/bias gradients and running
+    statistics equal the float64 oracle on the concatenated batch; the converted model
+    initializes outside pmap to the plain model's variables. Before, the conversion
+    intercepted only linen BatchNorm calls: these layers ran with each device's own
+    statistics, silently."""
+    import jax
+    import syncbn.flax as sf
+
+    plain, layers = bridge_linen_model()
+    model = sf.convert(plain, axis_name=AXIS)
+    x, dy = two_device_batch(57)
+    ours, theirs = (m.init(jax.random.PRNGKey(0), x[0]) for m in (model, plain))
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        assert np.array_equal(a, b), "init differs from the plain model's"
+    variables = net_variables(plain, x[0], 58)
+    got = pmap_net(model, variables, x, dy, jax.devices()[:2])
+    y, stats, dx, dparams = net_oracle(variables, concat(x), concat(dy), layers, True)
+    info = {"y": assert_close("y", concat(got[0]), y, TOL["float32"]),
+            "dx": assert_close("dx", concat(got[2]), dx, TOL["float32"])}
+    for path, (mean, var), dp in zip(layers, stats, dparams):
+        name = "/".join(path)
+        for d in range(2):
+            assert_close(f"{name} mean", get_in(got[1], path)["mean"][d], mean, TOL["float32"])
+            assert_close(f"{name} var", get_in(got[1], path)["var"][d], var, TOL["float32"])
+        for k in ("scale", "bias"):
+            info[f"{name} d{k}"] = assert_close(f"{name} d{k}", get_in(got[3], path)[k], dp[k], TOL["float32"])
+    return info
+
+
 @check
 def linen_convert_variables_and_revert():
     """A converted linen model has exactly the original's variable tree (paths, shapes,

@@ -12,7 +12,9 @@ Linen modules are immutable dataclasses, so :func:`convert` returns a new module
 (``flax.linen.share_scope``): same variables, same paths, and ``apply(...,
 method=...)`` reaches the original's methods. While it runs, every
 ``flax.linen.BatchNorm.__call__`` inside it (compact or setup style, at any depth, in
-``init`` and ``apply``) computes syncbn's synchronized statistics on that very layer.
+``init`` and ``apply``) computes syncbn's synchronized statistics on that very layer,
+and every ``flax.nnx.BatchNorm`` held through ``flax.nnx.bridge.ToLinen`` is synchronized
+by :func:`syncbn.flax.nnx.convert` on the nnx module ToLinen builds for each call.
 A subclass of ``flax.linen.BatchNorm`` keeps its own ``__call__``: what it adds runs as
 written, and only its ``super().__call__(...)`` (Flax's computation) is synchronized; a
 subclass whose ``__call__`` never calls ``flax.linen.BatchNorm.__call__`` is an error
@@ -37,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import linen as nn
 from flax import nnx
+from flax.nnx import bridge
 
 from .linen import BatchNorm, linen_forward
 from .normalize import freeze_groups
@@ -100,9 +103,36 @@ def _subclass_call(module, next_fun, args, kwargs):
     return out
 
 
+def _nnx_method(method, settings: _Settings):
+    """``nnx_method`` for ``flax.nnx.bridge.ToLinen``: ``method`` (a name, a function or
+    None for ``__call__``, as ToLinen takes it) run on the nnx module that ToLinen has
+    just built from the linen variables, after :func:`syncbn.flax.nnx.convert` with the
+    conversion's settings (in place: the same Variables, so ToLinen reads their updates
+    back into the linen variables)."""
+    from .nnx import convert as nnx_convert  # syncbn.flax.nnx imports nothing of this module
+
+    def run(module, *args, **kwargs):
+        converted = nnx_convert(module, axis_name=settings.axis_name, axis_index_groups=settings.axis_index_groups)
+        fn = "__call__" if method is None else method
+        if not isinstance(fn, str) and converted is not module:
+            fn = getattr(fn, "__name__", fn)  # the root layer was replaced: its class's own method
+        if isinstance(fn, str):
+            fn = getattr(type(converted), fn)
+        return fn(converted, *args, **kwargs)
+
+    return run
+
+
 def _intercept(next_fun, args, kwargs, context):
     settings = _SETTINGS.value  # the innermost conversion wins
     module = context.module
+    if settings is not None and isinstance(module, bridge.ToLinen) and context.method_name == "__call__":
+        # an nnx module inside the linen model: its nnx.BatchNorm layers, built anew by each
+        # call, are synchronized as syncbn.flax.nnx.convert synchronizes them
+        if module.is_initializing():  # as for linen's layers: the axis need not exist at init
+            settings = _Settings(None, None)
+        kwargs = dict(kwargs, nnx_method=_nnx_method(kwargs.get("nnx_method"), settings))
+        return next_fun(*args, **kwargs)
     if settings is None or not isinstance(module, nn.BatchNorm):
         return next_fun(*args, **kwargs)
     if _is_batch_norm_call(context):
