@@ -1370,6 +1370,92 @@ def linen_convert_reaches_nnx_bridge():
 
 
 @check
+def nnx_convert_reaches_linen_bridge():
+    """syncbn.flax.nnx.convert(model, axis_name=...) on an nnx model holding linen batch
+    norms through flax.nnx.bridge.ToNNX (a flax.linen.BatchNorm, and one inside a linen
+    module's setup), under shard_map (check_vma=False) on 2 devices: output, dx, scale/bias gradients and
+    running statistics equal the float64 oracle on the concatenated batch; revert gives
+    each ToNNX its very linen module back. Before, convert walked only the nnx graph, and
+    the linen layers inside ToNNX ran with each device's own statistics, silently."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    from flax.nnx import bridge
+    from jax.sharding import PartitionSpec as P
+    import syncbn.flax.nnx as snnx
+
+    kw = dict(use_running_average=False, momentum=MOMENTUM, epsilon=EPS, use_fast_variance=False)
+
+    class Inner(nn.Module):
+        def setup(self):
+            self.norm = nn.BatchNorm(**kw)
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.bn1 = bridge.ToNNX(nn.BatchNorm(**kw), rngs=rngs)
+            self.bn2 = bridge.ToNNX(Inner(), rngs=rngs)
+
+        def __call__(self, x):
+            h = self.bn1(x, mutable=["batch_stats"])
+            return self.bn2(h * h, mutable=["batch_stats"])
+
+    x, dy = two_device_batch(61)
+    model = Net(nnx.Rngs(0))
+    bridge.lazy_init(model, jnp.asarray(x[0]))
+    layers = (("bn1",), ("bn2", "norm"))
+    variables = {}
+    for col, kind in (("params", nnx.Param), ("batch_stats", nnx.BatchStat)):
+        state = nnx.state(model, kind)
+        variables[col] = net_variables_like(state.to_pure_dict(), 62 if col == "params" else 63)
+        nnx.replace_by_pure_dict(state, variables[col])
+        nnx.update(model, state)
+    originals = [model.bn1.to_nnx__module, model.bn2.to_nnx__module]
+    assert snnx.convert(model, axis_name=AXIS) is model
+
+    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(params, x, stats, rest):  # every state an argument: ToNNX counts its rng draws
+        net = nnx.merge(graphdef, params, stats, rest)
+        return net(x), nnx.state(net, nnx.BatchStat).to_pure_dict()
+
+    # check_vma=False, as pmap runs: nothing would stop per-device statistics going out as P()
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P(), P()), out_specs=(P(AXIS), P()),
+                         check_vma=False)
+    (y, new_stats), pullback = jax.vjp(lambda p, x: step(p, x, stats, rest), params, jnp.asarray(concat(x)))
+    dparams, dx = pullback((jnp.asarray(concat(dy)), jax.tree.map(jnp.zeros_like, new_stats)))
+    dparams = dparams.to_pure_dict()
+    ref_y, ref_stats, ref_dx, ref_dparams = net_oracle(variables, concat(x), concat(dy), layers, True)
+    info = {"y": assert_close("y", y, ref_y, TOL["float32"]), "dx": assert_close("dx", dx, ref_dx, TOL["float32"])}
+    for path, (mean, var), dp in zip(layers, ref_stats, ref_dparams):
+        name = "/".join(path)
+        assert_close(f"{name} mean", get_in(new_stats, path)["mean"], mean, TOL["float32"])
+        assert_close(f"{name} var", get_in(new_stats, path)["var"], var, TOL["float32"])
+        for k in ("scale", "bias"):
+            info[f"{name} d{k}"] = assert_close(f"{name} d{k}", get_in(dparams, path)[k], dp[k], TOL["float32"])
+    assert snnx.revert(model) is model
+    assert model.bn1.to_nnx__module is originals[0] and model.bn2.to_nnx__module is originals[1]
+    return info
+
+
+def net_variables_like(tree, seed):
+    """``tree`` (nested dicts of scale/bias or mean/var arrays) with every value redrawn, as
+    :func:`net_variables` draws them."""
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    rng = np.random.default_rng(seed)
+    draw = {"scale": (0.5, 1.5), "bias": (-1, 1), "mean": (-1, 1), "var": (0.5, 2)}
+    flat = traverse_util.flatten_dict(tree)
+    flat = {k: jnp.asarray(rng.uniform(*draw[k[-1]], np.shape(v)).astype(np.float32)) for k, v in flat.items()}
+    return traverse_util.unflatten_dict(flat)
+
+
+@check
 def linen_convert_variables_and_revert():
     """A converted linen model has exactly the original's variable tree (paths, shapes,
     dtypes, and the same initial values for the same key), also as a submodule of a

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import jax
 from flax import nnx
+from flax.nnx import bridge
 
 from .linen import canonical_axes, make_config, stored_normalize
 from .normalize import batch_norm
@@ -157,10 +158,20 @@ def convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
     user subclass of ``flax.nnx.BatchNorm`` cannot be replaced without dropping its own
     code, so ``convert`` raises ``TypeError`` naming its path (before changing anything):
     derive it from :class:`BatchNorm` instead. No plain ``flax.nnx.BatchNorm`` is left
-    unsynchronized without an error.
+    unsynchronized without an error. The linen module of a ``flax.nnx.bridge.ToNNX`` is
+    replaced by :func:`syncbn.flax.convert` of it (the same settings and variables), which
+    synchronizes its ``flax.linen.BatchNorm`` layers; :func:`revert` puts it back.
     """
 
     def synchronized(layer):
+        if isinstance(layer, bridge.ToNNX):
+            # a linen model inside the nnx one: syncbn.flax.convert synchronizes its linen
+            # BatchNorm layers (same variables, read and written by ToNNX as before)
+            from .convert import convert as linen_convert  # that module imports this one
+
+            layer.to_nnx__module = linen_convert(layer.to_nnx__module, axis_name=axis_name,
+                                                 axis_index_groups=axis_index_groups)
+            return layer
         if type(layer) is nnx.BatchNorm:
             layer = _rebuilt(layer, BatchNorm)
         elif not isinstance(layer, BatchNorm):  # a user subclass of it keeps its class
@@ -184,6 +195,11 @@ def revert(model):
     Variables. Returns ``model`` itself (or the new layer when ``model`` is one)."""
 
     def plain(layer):
+        if isinstance(layer, bridge.ToNNX):
+            from .convert import revert as linen_revert
+
+            layer.to_nnx__module = linen_revert(layer.to_nnx__module)
+            return layer
         if isinstance(layer, BatchNorm) and type(layer) is not BatchNorm:
             # a user subclass of syncbn's layer stays one: only its axis is restored
             if hasattr(layer, _AXIS_BEFORE):
