@@ -94,10 +94,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     Keras shows the class as ``SyncBatchNormalization`` (``model.summary()``), names
     the layer ``sync_batch_normalization_N`` by default, and names its group in a
-    weights file (``.weights.h5``, and inside ``.keras``) after the class, so a weights
-    file moves between a plain model and its synchronized copy through
+    weights file (``.weights.h5``, and inside ``.keras``) after the class where it sits
+    in a list (a Functional or Sequential model's layers), so there a weights file
+    moves between a plain model and its synchronized copy through
     :func:`syncbn.keras.convert` and :func:`syncbn.keras.revert` (load into the model
-    of its own kind, then convert or revert), not directly.
+    of its own kind, then convert or revert), not directly (Keras raises). A layer held
+    in an attribute of a subclassed model is keyed by the attribute's name, and its
+    file loads across either way, into the same layers.
 
     Args: those of ``keras.layers.BatchNormalization``; ``axis`` is a single integer,
     the channel axis (``-1`` for channels_last, ``1`` for channels_first), not the
