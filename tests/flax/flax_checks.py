@@ -1714,7 +1714,9 @@ def nnx_convert_reaches_every_container():
     for path, layer in batch_norms(net):
         want_type = ReluBN if path == ("mine",) else nnx.BatchNorm
         assert type(layer) is want_type and layer.axis_name is None, (path, type(layer), layer.axis_name)
-    assert not hasattr(net.mine, snnx._AXIS_BEFORE)
+    from syncbn.flax.convert import _AXIS_BEFORE  # where nnx's conversion keeps the axis it replaced
+
+    assert not hasattr(net.mine, _AXIS_BEFORE)
 
     class OwnBN(nnx.BatchNorm):  # a subclass of Flax's layer: its code would be lost
         def __call__(self, x, **kw):

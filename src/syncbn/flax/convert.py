@@ -42,9 +42,10 @@ from flax import nnx
 from flax.nnx import bridge
 
 from .linen import BatchNorm, linen_forward
+from .nnx_layer import BatchNorm as NnxBatchNorm
 from .normalize import freeze_groups
 
-__all__ = ["convert", "revert", "synchronizing", "Synchronized"]
+__all__ = ["convert", "revert", "synchronizing", "Synchronized", "nnx_convert", "nnx_revert"]
 
 
 class _Settings(NamedTuple):
@@ -109,7 +110,6 @@ def _nnx_method(method, settings: _Settings):
     just built from the linen variables, after :func:`syncbn.flax.nnx.convert` with the
     conversion's settings (in place: the same Variables, so ToLinen reads their updates
     back into the linen variables)."""
-    from .nnx import convert as nnx_convert  # syncbn.flax.nnx imports nothing of this module
 
     def run(module, *args, **kwargs):
         converted = nnx_convert(module, axis_name=settings.axis_name, axis_index_groups=settings.axis_index_groups)
@@ -309,3 +309,144 @@ def revert(module: Any):
         raise TypeError(f"syncbn.flax.revert takes a flax.linen Module, got {type(module).__name__}. "
                         "For a flax.nnx model use syncbn.flax.nnx.revert.")
     return module
+
+
+# ---------------------------------------------------------------- flax.nnx models
+# Here, beside linen's conversion, because each reaches the other: a ToLinen inside a linen
+# model holds nnx modules, a ToNNX inside an nnx model a linen one.
+
+# On a layer whose axis convert() replaced: the (axis_name, axis_index_groups) it had, for revert().
+_AXIS_BEFORE = "axis_before_convert"
+
+
+def _rebuilt(old: nnx.BatchNorm, cls, skip: tuple = ()) -> nnx.BatchNorm:
+    """A ``cls`` layer holding every attribute of ``old`` but those in ``skip``, each as
+    ``old`` holds it (a pytree node or static): its configuration, its very Variable
+    objects (their values, sharding and any optimizer state referring to them stay
+    valid), and whatever else was set on the layer (a Variable, a submodule, an array
+    under ``nnx.data``, a plain value), so the model's state keeps every entry."""
+    new = cls(old.num_features, use_scale=old.use_scale, use_bias=old.use_bias, rngs=nnx.Rngs(0))
+    nodes = vars(old).get("_pytree__nodes", {})
+    for name, value in vars(old).items():
+        if name.startswith("_pytree__") or name in skip:
+            continue
+        setattr(new, name, nnx.data(value) if nodes.get(name, False) else nnx.static(value))
+    return new
+
+
+def _replace_layers(model, replace):
+    """``replace(layer)`` for every layer of ``model``'s graph for which it is not None,
+    in every place that holds the layer (a shared layer is replaced wherever it is);
+    returns ``model``, or its replacement when ``model`` is itself such a layer.
+
+    It reaches whatever the nnx graph can hold: attributes of modules (and of
+    ``nnx.List``/``nnx.Dict``), lists and dicts (changed in place) and any other JAX
+    pytree, such as a tuple or a namedtuple under ``nnx.data`` (rebuilt with the new
+    layer and put back where it was)."""
+    done = {}  # id(node) -> what takes its place (itself when nothing under it changed)
+
+    def visit(node):
+        if id(node) in done:
+            return done[id(node)]
+        done[id(node)] = node  # a cycle back to a node in progress keeps the node
+        if isinstance(node, nnx.Variable):
+            return node
+        if isinstance(node, nnx.Pytree):
+            new = replace(node)
+            if new is not None:
+                done[id(node)] = new
+                return new
+            for name, child in list(vars(node).items()):
+                if not name.startswith("_pytree__") and visit(child) is not child:
+                    setattr(node, name, done[id(child)])
+            return node
+        if isinstance(node, (list, dict)):
+            for key, child in list(node.items() if isinstance(node, dict) else enumerate(node)):
+                if visit(child) is not child:
+                    node[key] = done[id(child)]
+            return node
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda leaf: leaf is not node)
+        if treedef.num_leaves == 1 and children and children[0] is node:
+            return node  # a leaf: an array, a number, a function, ...
+        new_children = [visit(child) for child in children]
+        if any(a is not b for a, b in zip(new_children, children)):
+            done[id(node)] = jax.tree_util.tree_unflatten(treedef, new_children)
+        return done[id(node)]
+
+    return visit(model)
+
+
+def _layer_path(path) -> str:
+    return "/".join(str(part) for part in path) or "(the model itself)"
+
+
+def _check_plain_layers(model, when: str):
+    """Raise if ``model``'s graph holds an ``nnx.BatchNorm`` that convert does not
+    synchronize: a user subclass (before anything is changed) or, after conversion, a
+    plain one left in a container convert could not rebuild."""
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.BatchNorm) or isinstance(node, NnxBatchNorm):
+            continue
+        cls = type(node)
+        if cls is not nnx.BatchNorm:
+            raise TypeError(
+                f"syncbn.flax.nnx.convert: the layer at '{_layer_path(path)}' is a "
+                f"{cls.__module__}.{cls.__qualname__}, a subclass of flax.nnx.BatchNorm; converting it "
+                f"would drop its own code and leaving it would leave it unsynchronized. Derive "
+                f"{cls.__qualname__} from syncbn.flax.nnx.BatchNorm instead (same constructor and "
+                f"Variables), and convert synchronizes it. Nothing was changed.")
+        if when == "after":
+            raise RuntimeError(
+                f"syncbn.flax.nnx.convert could not replace the flax.nnx.BatchNorm at "
+                f"'{_layer_path(path)}' (held in a container it cannot rebuild), so it is not "
+                f"synchronized; hold it in a module attribute, nnx.List, nnx.Dict, list, dict or tuple, "
+                f"or build it as syncbn.flax.nnx.BatchNorm.")
+
+
+def nnx_convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
+    """:func:`syncbn.flax.nnx.convert` (documented there)."""
+
+    def synchronized(layer):
+        if isinstance(layer, bridge.ToNNX):
+            # a linen model inside the nnx one: syncbn.flax.convert synchronizes its linen
+            # BatchNorm layers (same variables, read and written by ToNNX as before)
+            layer.to_nnx__module = convert(layer.to_nnx__module, axis_name=axis_name,
+                                           axis_index_groups=axis_index_groups)
+            return layer
+        if type(layer) is nnx.BatchNorm:
+            layer = _rebuilt(layer, NnxBatchNorm)
+        elif not isinstance(layer, NnxBatchNorm):  # a user subclass of it keeps its class
+            return None
+        if axis_name is not None:
+            if not hasattr(layer, _AXIS_BEFORE):
+                setattr(layer, _AXIS_BEFORE, (layer.axis_name, layer.axis_index_groups))
+            layer.axis_name, layer.axis_index_groups = axis_name, axis_index_groups
+        return layer
+
+    _check_plain_layers(model, "before")
+    model = _replace_layers(model, synchronized)
+    _check_plain_layers(model, "after")
+    return model
+
+
+def nnx_revert(model):
+    """:func:`syncbn.flax.nnx.revert` (documented there)."""
+
+    def plain(layer):
+        if isinstance(layer, bridge.ToNNX):
+            layer.to_nnx__module = revert(layer.to_nnx__module)
+            return layer
+        if isinstance(layer, NnxBatchNorm) and type(layer) is not NnxBatchNorm:
+            # a user subclass of syncbn's layer stays one: only its axis is restored
+            if hasattr(layer, _AXIS_BEFORE):
+                layer.axis_name, layer.axis_index_groups = getattr(layer, _AXIS_BEFORE)
+                delattr(layer, _AXIS_BEFORE)
+            return layer
+        if type(layer) is not NnxBatchNorm:
+            return None
+        new = _rebuilt(layer, nnx.BatchNorm, skip=(_AXIS_BEFORE,))
+        if hasattr(layer, _AXIS_BEFORE):
+            new.axis_name, new.axis_index_groups = getattr(layer, _AXIS_BEFORE)
+        return new
+
+    return _replace_layers(model, plain)
