@@ -428,12 +428,20 @@ def test_fx_symbolic_trace_records_the_layer_as_torchs_batch_norm(cls, training)
 
 def test_fx_symbolic_trace_of_the_layer_itself_or_a_subclass_with_more_forward_still_refuses():
     """Only a call of the layer as a submodule becomes a node: the traced root itself has
-    no name to call it by, and a subclass whose forward adds work (timm's converted
-    BatchNormAct2d) would lose it in one node; both raise as before, naming the Proxy."""
+    no name to call it by, and a user's subclass whose own forward adds work is not
+    syncbn's to declare a leaf (its forward may call what the user wants traced); both
+    raise as before, naming the Proxy. (timm's converted BatchNormAct2d,
+    SyncBatchNormDropAct, declares itself one node: test_timm.)"""
     from syncbn.torch.timm import SyncBatchNormDropAct
 
-    with_act = SyncBatchNormDropAct(4)
-    with_act.act = nn.ReLU()
-    for model in (syncbn.SyncBatchNorm(4), nn.Sequential(with_act)):
+    class WithRelu(syncbn.SyncBatchNorm):
+        def forward(self, input):
+            return torch.relu(super().forward(input))
+
+    class DropActMore(SyncBatchNormDropAct):
+        def forward(self, input):
+            return super().forward(input) * 2
+
+    for model in (syncbn.SyncBatchNorm(4), nn.Sequential(WithRelu(4)), nn.Sequential(DropActMore(4))):
         with pytest.raises(TypeError, match="Proxy"):
             torch.fx.symbolic_trace(model)
