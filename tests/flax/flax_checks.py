@@ -1229,6 +1229,23 @@ def get_in(tree, path):
     return tree
 
 
+def assert_net_matches(got, oracle, layers):
+    """``pmap_net``'s ``got`` against ``net_oracle``'s ``oracle`` for ``layers``: y, dx, each
+    layer's statistics on both devices and its scale/bias gradients, at the float32 bound;
+    returns the errors by name."""
+    y, stats, dx, dparams = oracle
+    info = {"y": assert_close("y", concat(got[0]), y, TOL["float32"]),
+            "dx": assert_close("dx", concat(got[2]), dx, TOL["float32"])}
+    for path, (mean, var), dp in zip(layers, stats, dparams):
+        name = "/".join(path)
+        for d in range(2):
+            assert_close(f"{name} mean", get_in(got[1], path)["mean"][d], mean, TOL["float32"])
+            assert_close(f"{name} var", get_in(got[1], path)["var"][d], var, TOL["float32"])
+        for k in ("scale", "bias"):
+            info[f"{name} d{k}"] = assert_close(f"{name} d{k}", get_in(got[3], path)[k], dp[k], TOL["float32"])
+    return info
+
+
 def pmap_net(model, variables, x, dy, devices, **apply_kw):
     """One training call of a linen model under pmap over ``devices`` (parameters
     broadcast), its vjp for ``dy``: ``(y, batch_stats, dx, dparams)`` as numpy."""
@@ -1276,17 +1293,9 @@ def linen_convert_function_matches_oracle():
         ctx = pmap_net(plain, variables, x, dy, devices)
     local = pmap_net(plain, variables, x, dy, devices)
 
-    info = {}
-    y, stats, dx, dparams = net_oracle(variables, concat(x), concat(dy), NET_LAYERS, True)
-    info["y"] = assert_close("y", concat(got[0]), y, TOL["float32"])
-    info["dx"] = assert_close("dx", concat(got[2]), dx, TOL["float32"])
-    for path, (mean, var), dp in zip(NET_LAYERS, stats, dparams):
-        name = "/".join(path)
-        for d in range(2):
-            assert_close(f"{name} mean", get_in(got[1], path)["mean"][d], mean, TOL["float32"])
-            assert_close(f"{name} var", get_in(got[1], path)["var"][d], var, TOL["float32"])
-        for k in ("scale", "bias"):
-            info[f"{name} d{k}"] = assert_close(f"{name} d{k}", get_in(got[3], path)[k], dp[k], TOL["float32"])
+    oracle = net_oracle(variables, concat(x), concat(dy), NET_LAYERS, True)
+    y = oracle[0]
+    info = assert_net_matches(got, oracle, NET_LAYERS)
     assert jax.tree.structure(got) == jax.tree.structure(ctx)
     for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(ctx))):
         assert_close(f"function vs context form, leaf {i}", a, b, 1e-6)
@@ -1356,17 +1365,7 @@ def linen_convert_reaches_nnx_bridge():
         assert np.array_equal(a, b), "init differs from the plain model's"
     variables = net_variables(plain, x[0], 58)
     got = pmap_net(model, variables, x, dy, jax.devices()[:2])
-    y, stats, dx, dparams = net_oracle(variables, concat(x), concat(dy), layers, True)
-    info = {"y": assert_close("y", concat(got[0]), y, TOL["float32"]),
-            "dx": assert_close("dx", concat(got[2]), dx, TOL["float32"])}
-    for path, (mean, var), dp in zip(layers, stats, dparams):
-        name = "/".join(path)
-        for d in range(2):
-            assert_close(f"{name} mean", get_in(got[1], path)["mean"][d], mean, TOL["float32"])
-            assert_close(f"{name} var", get_in(got[1], path)["var"][d], var, TOL["float32"])
-        for k in ("scale", "bias"):
-            info[f"{name} d{k}"] = assert_close(f"{name} d{k}", get_in(got[3], path)[k], dp[k], TOL["float32"])
-    return info
+    return assert_net_matches(got, net_oracle(variables, concat(x), concat(dy), layers, True), layers)
 
 
 @check

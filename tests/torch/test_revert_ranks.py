@@ -52,8 +52,15 @@ def build(dims: int, norm) -> nn.Module:
         conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
         first, second = conv(3, 4, 3, padding=1), conv(4, 5, 1)
     model = nn.Sequential(first, norm(4), nn.ReLU(), second, norm(5))
-    gen = torch.Generator().manual_seed(100 + dims)
-    with torch.no_grad():  # every batch-norm parameter and buffer away from its initial value
+    return stir_batch_norms(model, 100 + dims)
+
+
+def stir_batch_norms(model: nn.Module, seed: int) -> nn.Module:
+    """Every batch-norm parameter and buffer of ``model`` away from its initial value
+    (uniform in [0.5, 1.5) from ``seed``, ``num_batches_tracked`` 3), so that a load or a
+    copy that skips or re-initialises one shows; returns ``model``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for m in model.modules():
             if isinstance(m, _BatchNorm):
                 for t in (m.weight, m.bias, m.running_mean, m.running_var):

@@ -20,25 +20,13 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo_models  # noqa: E402
-
-
-def _stir(model):
-    """Give every batch norm values torch's defaults never have, so a load that skips or
-    re-initialises one shows."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in model.modules():
-            if isinstance(layer, _BatchNorm):
-                for tensor in (layer.weight, layer.bias, layer.running_mean, layer.running_var):
-                    tensor.copy_(torch.rand(tensor.shape, generator=gen) + 0.5)
-                layer.num_batches_tracked.fill_(3)
-    return model
+from test_revert_ranks import stir_batch_norms  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["hf_resnet", "hf_mobilevit", "hf_levit"])
 def test_save_pretrained_of_a_converted_model_loads_into_the_plain_and_a_converting_class(tmp_path, name):
     torch.manual_seed(0)
-    converted = _stir(syncbn.convert_sync_batchnorm(getattr(zoo_models, name)()))
+    converted = stir_batch_norms(syncbn.convert_sync_batchnorm(getattr(zoo_models, name)()), 7)
     converted.save_pretrained(tmp_path)
     plain_class = type(converted)
 
