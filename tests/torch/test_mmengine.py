@@ -74,13 +74,89 @@ def test_names_build_syncbn_with_the_config_layer_names():
         assert layer_name == "bn1" and type(layer) is syncbn.SyncBatchNorm and layer.num_features == 8
         assert not any(p.requires_grad for p in layer.parameters())
     assert ROOT.get("BN") is nn.BatchNorm2d  # plain BN stays torch's
-    if "MMSyncBN" in ROOT.module_dict:  # full mmcv only
-        assert ROOT.get("MMSyncBN") is syncbn.SyncBatchNorm
+    if "MMSyncBN" in ROOT.module_dict:  # full mmcv only: builds syncbn's layer from mmcv's arguments
+        assert ROOT.get("MMSyncBN") is sm.MMSyncBN
     # idempotent: registering again wraps mmengine's converter no second time
     guarded = mmengine.model.convert_sync_batchnorm
     sm.register()
     assert mmengine.model.convert_sync_batchnorm is guarded and mmengine.model.utils.convert_sync_batchnorm is guarded
     assert ROOT.get("SyncBN") is syncbn.SyncBatchNorm
+
+
+class _MmcvLayer(nn.Module):
+    """Stands in for mmcv's compiled ``mmcv.ops.SyncBatchNorm`` (not in mmcv-lite) in the
+    registry, as ``import mmcv.ops`` would have registered it."""
+
+
+@pytest.fixture
+def mmcv_registered():
+    """``"MMSyncBN"`` in mmengine's ``MODELS`` as full mmcv registers it, then
+    ``register()`` run again (as ``import syncbn.torch.mmengine`` after ``mmcv.ops``);
+    taken out again afterwards where the test put it there."""
+    ours = "MMSyncBN" not in ROOT.module_dict
+    if ours:
+        ROOT.register_module(name="MMSyncBN", module=_MmcvLayer)
+    sm.register()
+    try:
+        yield
+    finally:
+        if ours:
+            ROOT.module_dict.pop("MMSyncBN")
+
+
+class _Group:
+    """A stand-in process group: the layers only store it until a training forward."""
+
+
+def test_mmsyncbn_config_with_mmcv_arguments_builds_syncbn(mmcv_registered):
+    group = _Group()
+    # mmcv's keywords: group (its process group) and stats_mode='N' (count-weighted, exact)
+    cfg = dict(type="MMSyncBN", requires_grad=False, group=group, stats_mode="N", eps=1e-3, momentum=0.01)
+    name, layer = build_norm_layer(cfg, 8, postfix=1)
+    assert name == "bn1" and type(layer) is syncbn.SyncBatchNorm and layer.num_features == 8
+    assert layer.process_group is group and layer.eps == 1e-3 and layer.momentum == 0.01
+    assert not any(p.requires_grad for p in layer.parameters())
+    assert list(layer.state_dict()) == list(nn.BatchNorm2d(8).state_dict())
+    # left out: group None is the default group (mmcv: the world), statistics exact
+    name, layer = build_norm_layer(dict(type="MMSyncBN"), 4, postfix="_x")
+    assert name == "bn_x" and type(layer) is syncbn.SyncBatchNorm and layer.process_group is None
+    assert layer.eps == 1e-5 and layer.momentum == 0.1  # build_norm_layer's eps, mmcv's momentum
+    layer = ROOT.build(dict(type="MMSyncBN", num_features=4, affine=False, track_running_stats=False, momentum=None))
+    assert type(layer) is syncbn.SyncBatchNorm and layer.weight is None and layer.running_mean is None
+    assert layer.momentum is None
+    assert ROOT.get("MMSyncBN") is sm.MMSyncBN
+    assert MODELS.get("MMSyncBN") is sm.MMSyncBN  # through mmseg's registry, a child of MODELS
+
+
+def test_mmsyncbn_refuses_a_stats_mode_syncbn_does_not_compute(mmcv_registered):
+    # mmcv's 'default' weights every rank's mean equally: not the union's statistics
+    # when batch sizes differ, which is what syncbn computes; asked for by name, refused
+    with pytest.raises(ValueError, match=r"stats_mode='default'.*exact statistics of the union.*stats_mode='N'"):
+        build_norm_layer(dict(type="MMSyncBN", stats_mode="default"), 4)
+    for wrong in ("n", "mean", ""):
+        with pytest.raises(ValueError, match=r"stats_mode must be 'N'"):
+            build_norm_layer(dict(type="MMSyncBN", stats_mode=wrong), 4)
+    # torch's keyword is not mmcv's: refused by both layers alike
+    with pytest.raises(TypeError, match="process_group"):
+        build_norm_layer(dict(type="MMSyncBN", process_group=_Group()), 4)
+
+
+@pytest.mark.parametrize("name", ["SyncBN", "SyncBatchNorm"])
+def test_torch_syncbn_config_keys_reach_the_layer(name):
+    """The keywords a config for ``torch.nn.SyncBatchNorm`` can carry reach syncbn's layer
+    (``requires_grad`` is build_norm_layer's own, taken out before the layer is built)."""
+    group = _Group()
+    cfg = dict(type=name, requires_grad=False, process_group=group, eps=1e-4, momentum=None,
+               affine=True, track_running_stats=True, dtype=torch.float64)
+    layer_name, layer = build_norm_layer(cfg, 6, postfix=3)
+    assert layer_name == "bn3" and type(layer) is syncbn.SyncBatchNorm
+    assert layer.process_group is group and layer.eps == 1e-4 and layer.momentum is None
+    assert layer.weight.dtype == torch.float64 and not layer.weight.requires_grad
+    layer = MODELS.build(dict(type=name, num_features=5, affine=False, track_running_stats=False, process_group=group))
+    assert type(layer) is syncbn.SyncBatchNorm and layer.process_group is group
+    assert layer.weight is None and layer.running_mean is None
+    with pytest.raises(TypeError, match="group"):  # mmcv's keyword is not torch's: refused alike
+        build_norm_layer(dict(type=name, group=group), 4)
 
 
 @pytest.fixture(scope="module")
