@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Callable, Dict, List
 
+from .usage import torch_missing
+
 HELP = "train small converted models for many steps on W local processes and check that memory, fds and threads stay flat"
 
 DESCRIPTION = """\
@@ -175,11 +177,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import math
 
-    try:
-        import torch  # noqa: F401  (the workers train torch models: say so before starting them)
-    except ImportError as exc:
-        print(f"syncbn soak: needs PyTorch ({exc}); install it, e.g. pip install \"syncbn[torch]\"",
-              file=sys.stderr)
+    if torch_missing("soak"):  # the workers train torch models: say so before starting them
         return 2
     from .launch import WorkerPool
 

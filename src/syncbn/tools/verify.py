@@ -64,6 +64,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from .usage import UsageError, torch_missing
+
 __all__ = ["HELP", "VerifySpec", "LayerOrderError", "add_arguments", "run", "main", "verify"]
 
 HELP = "check that syncbn on W local processes trains your model exactly like one process on the whole batch"
@@ -72,10 +74,6 @@ _DTYPES = ("float64", "float32")
 _EPS = {"float64": 2.0**-52, "float32": 2.0**-23}
 _SPREAD_FACTOR = 10.0  # syncbn's rounding may move a quantity this much more than the probe did
 _NUDGE_ULPS = 4.0  # how far (in ulp of the dtype) the probe run moves every input element
-
-
-class UsageError(ValueError):
-    """A bad factory path, input shape or option (exit status 2)."""
 
 
 class LayerOrderError(RuntimeError):
@@ -863,11 +861,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         sys_path=[os.getcwd()],
     )
-    try:
-        import torch  # noqa: F401  (the check trains torch models: say so before anything else)
-    except ImportError as exc:
-        print(f"syncbn verify: needs PyTorch ({exc}); install it, e.g. pip install \"syncbn[torch]\"",
-              file=sys.stderr)
+    if torch_missing("verify"):  # the check trains torch models: say so before anything else
         return 2
     try:
         return verify(spec)
