@@ -234,7 +234,7 @@ def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys,
     blocker.write_text("")
     assert cli.main(["bench", "--quick", "--out", str(blocker / "out")]) == 2
     err = capsys.readouterr().err
-    assert f"syncbn bench: --out {blocker / 'out'}: cannot create this folder" in err, err
+    assert f"syncbn bench: --out {blocker / 'out'}: {blocker} is not a folder" in err, err
 
 
 def test_communication_models():

@@ -17,6 +17,7 @@ import doc_blocks
 from demo_checks import check_report, run_command
 from syncbn import cli, demo
 from syncbn.demo import report as demo_report, torch as demo_torch
+from syncbn.tools.usage import UsageError
 
 OPTIONS = (
     "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
@@ -141,9 +142,9 @@ def test_keras_config_and_backends():
     assert (config.framework, config.backend, config.device) == ("keras", "tensorflow", "auto")
     assert parse("--framework", "keras", "--backend", "jax").backend == "jax"
     assert parse("--framework", "keras", "--device", "cpu").device == "cpu"
-    with pytest.raises(SystemExit, match="Keras backend"):
+    with pytest.raises(UsageError, match="Keras backend"):
         parse("--backend", "jax")
-    with pytest.raises(SystemExit, match="torch.distributed backend"):
+    with pytest.raises(UsageError, match="torch.distributed backend"):
         parse("--framework", "keras", "--backend", "gloo")
 
 
@@ -151,7 +152,7 @@ def test_flax_config():
     config = parse("--framework", "flax", "--quick")
     assert (config.framework, config.backend, config.device) == ("flax", "jax", "auto")
     assert parse("--framework", "flax", "--backend", "jax").backend == "jax"
-    with pytest.raises(SystemExit, match="runs on JAX"):
+    with pytest.raises(UsageError, match="runs on JAX"):
         parse("--framework", "flax", "--backend", "tensorflow")
 
 
@@ -162,22 +163,22 @@ def test_restarted_process_gets_the_same_config():
         assert parse(*demo.to_argv(config)) == config, argv
 
 
-def test_nccl_needs_cuda():
-    with pytest.raises(SystemExit, match="nccl"):
-        cli.main(["demo", "--backend", "nccl", "--device", "cpu"])
+def test_nccl_needs_cuda(capsys):
+    assert cli.main(["demo", "--backend", "nccl", "--device", "cpu"]) == 2
+    assert "--backend nccl needs --device cuda" in capsys.readouterr().err
 
 
-def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, monkeypatch):
+def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, monkeypatch, capsys):
     """--out under a file (or anywhere the folder cannot be made) trained every run for
     minutes, then ended in a FileNotFoundError traceback from the report writer; it is now
     refused first, naming the option and the reason, and the check leaves no trace."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setattr(demo_torch, "run", lambda *a, **k: pytest.fail("training started"))
-    with pytest.raises(SystemExit, match=r"--out .*a_file/out: .*a_file is not a folder"):
-        cli.main(["demo", "--quick", "--out", str(blocker / "out")])
-    with pytest.raises(SystemExit, match="exists and is not a folder"):
-        cli.main(["demo", "--quick", "--out", str(blocker)])
+    assert cli.main(["demo", "--quick", "--out", str(blocker / "out")]) == 2
+    assert f"--out {blocker / 'out'}: {blocker} is not a folder" in capsys.readouterr().err
+    assert cli.main(["demo", "--quick", "--out", str(blocker)]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
     good = tmp_path / "new" / "report"
     demo.check(demo.config_from_args(cli.build_parser("demo").parse_args(["demo", "--out", str(good)])))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing made, nothing left

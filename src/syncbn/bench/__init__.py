@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..tools.output import unusable_output
     from .plan import make_plan
     from .report import terminal
     from .runner import run_bench
@@ -67,11 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         print("syncbn bench: --threads must be at least 1", file=sys.stderr)
         return 2
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"syncbn bench: --out {args.out}: cannot create this folder ({exc.strerror or exc}); "
-              "give a folder that can be created and written", file=sys.stderr)
+    problem = unusable_output(args.out)  # before any peer runs; leaves nothing behind
+    if problem:
+        print(f"syncbn bench: {problem}", file=sys.stderr)
         return 2
     plan = make_plan(quick=args.quick, threads=args.threads, peers=args.peers)
     command = "syncbn bench " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv[2:])

@@ -13,7 +13,9 @@ default: DDP over gloo/NCCL processes), :mod:`syncbn.demo.keras` (Keras:
 from __future__ import annotations
 
 import argparse
+import sys
 
+from ..tools.usage import UsageError
 from .config import FRAMEWORKS, KERAS_BACKENDS, QUICK, TORCH_BACKENDS, DemoConfig, check, config_from_args, to_argv
 
 __all__ = ["DemoConfig", "QUICK", "HELP", "add_arguments", "config_from_args", "run", "to_argv"]
@@ -114,9 +116,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``syncbn demo``: the chosen framework's runs, then the report."""
-    config = config_from_args(args)
-    check(config)
+    """Entry point of ``syncbn demo``: the chosen framework's runs, then the report.
+
+    A setting no run can take ends here, before any framework is imported, with one
+    line on stderr and exit status 2 (a usage error, as in ``syncbn verify``, ``bench``
+    and ``soak``). What this machine lacks for the settings (no CUDA device, fewer
+    devices than replicas) ends the framework's run with exit status 1: the same command
+    line is right on another machine."""
+    try:
+        config = config_from_args(args)
+        check(config)
+    except UsageError as exc:
+        print(f"syncbn demo: {exc}", file=sys.stderr)
+        return 2
     if config.framework == "flax":
         from . import flax as demo_flax
 

@@ -1,7 +1,9 @@
 """The settings of ``syncbn demo``, shared by every framework's runs: :class:`DemoConfig`,
 what ``--quick`` changes, and the translation between options and settings.
 
-Imports no framework, so every runner (and a re-started process) can read it.
+Imports no framework, so every runner (and a re-started process) can read it. A setting
+no run can take raises :class:`~syncbn.tools.usage.UsageError`, which ``syncbn demo``
+reports in one line with exit status 2, as the other subcommands do.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 from typing import List, Optional
+
+from ..tools.output import unusable_output
+from ..tools.usage import UsageError
 
 __all__ = ["DemoConfig", "QUICK", "FRAMEWORKS", "check", "config_from_args", "to_argv"]
 
@@ -72,11 +77,11 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         if args.backend is None:
             config.backend = "nccl" if config.device == "cuda" else "gloo"
         elif args.backend not in TORCH_BACKENDS:
-            raise SystemExit(f"syncbn demo: --backend {args.backend} is a Keras backend; with "
+            raise UsageError(f"--backend {args.backend} is a Keras backend; with "
                              f"--framework torch use one of {', '.join(TORCH_BACKENDS)}")
     elif config.framework == "flax":
         if args.backend not in (None, "jax"):
-            raise SystemExit(f"syncbn demo: --framework flax runs on JAX; --backend {args.backend} does not apply")
+            raise UsageError(f"--framework flax runs on JAX; --backend {args.backend} does not apply")
         config.backend = "jax"
         if args.device is None:
             config.device = "auto"
@@ -84,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         if args.backend is None:
             config.backend = "tensorflow"
         elif args.backend not in KERAS_BACKENDS:
-            raise SystemExit(f"syncbn demo: --backend {args.backend} is a torch.distributed backend; "
+            raise UsageError(f"--backend {args.backend} is a torch.distributed backend; "
                              f"with --framework keras use one of {', '.join(KERAS_BACKENDS)}")
         if args.device is None:
             config.device = "auto"
@@ -106,39 +111,19 @@ def to_argv(config: DemoConfig) -> List[str]:
 
 
 def check(config: DemoConfig) -> None:
-    """Refuse settings no framework can run, before anything is started."""
+    """Refuse settings no framework can run, before anything is started
+    (:class:`~syncbn.tools.usage.UsageError`). What depends on the machine (a CUDA
+    device, enough devices for the replicas) is checked by each framework's runner."""
     import math
 
     if config.image_size < 16 or config.image_size % 8:
-        raise SystemExit(f"syncbn demo: --image-size must be a multiple of 8, at least 16, got {config.image_size}")
+        raise UsageError(f"--image-size must be a multiple of 8, at least 16, got {config.image_size}")
     if config.lr <= 0 or not math.isfinite(config.lr):
-        raise SystemExit(f"syncbn demo: --lr must be positive, got {config.lr}")
+        raise UsageError(f"--lr must be positive, got {config.lr}")
     if config.background_weight <= 0 or not math.isfinite(config.background_weight):
-        raise SystemExit(f"syncbn demo: --background-weight must be positive, got {config.background_weight}")
-    problem = _unwritable(config.out)
+        raise UsageError(f"--background-weight must be positive, got {config.background_weight}")
+    if config.framework == "torch" and config.backend == "nccl" and config.device != "cuda":
+        raise UsageError("--backend nccl needs --device cuda")
+    problem = unusable_output(config.out)
     if problem:
-        raise SystemExit(f"syncbn demo: --out {config.out}: {problem}; the report is written there after "
-                         "training, so give a folder that can be created and written")
-
-
-def _unwritable(out: str) -> Optional[str]:
-    """Why the folder ``out`` could not be created or written, or None. Leaves nothing
-    behind: it makes and removes an empty folder in ``out``, or in the nearest existing
-    folder above it (where ``os.makedirs`` will start), a real try where permission bits
-    say nothing (root, /proc, a read-only mount)."""
-    import os
-    import tempfile
-
-    path = os.path.abspath(out)
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "exists and is not a folder"
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent} is not a folder"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".syncbn-demo-", dir=parent))
-    except OSError as exc:
-        return f"cannot write in {parent} ({exc.strerror or exc})"
-    return None
+        raise UsageError(problem)

@@ -65,8 +65,8 @@ def run_title(name: str, global_batch: int) -> str:
 
 
 def _check(config: DemoConfig) -> None:
-    if config.backend == "nccl" and config.device != "cuda":
-        raise SystemExit("syncbn demo: --backend nccl needs --device cuda")
+    """What this machine must have for the settings (exit status 1 when it lacks it; the
+    settings themselves were checked by :func:`syncbn.demo.config.check`)."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("syncbn demo: --device cuda given but torch sees no CUDA device")
 
