@@ -600,6 +600,105 @@ def fit_matches_single_device():
             "max_weight_difference_keras_unsynchronized": diff_unsynced}
 
 
+def dense_bn_model(bn, seed=0):
+    """Dense layers with batch norm on rank-3 (tokens) and rank-2 inputs: unlike
+    TensorFlow's CPU Conv2D (which returns its input's shape for an empty batch, so
+    ``fit`` fails on a replica with no sample, with or without batch norm), every op here
+    takes an empty replica batch."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4, 5))
+    x = keras.layers.Dense(6)(inputs)
+    x = bn()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(6)(x)
+    x = bn()(x)
+    outputs = keras.layers.Dense(3)(keras.layers.ReLU()(x))
+    return keras.Model(inputs, outputs)
+
+
+@check
+def fit_uneven_last_batch_moving_statistics():
+    """model.fit under MirroredStrategy(2) on a dataset batched with
+    ``drop_remainder=False``, whose last global batch the replicas share unevenly (3
+    samples as 2 + 1; then 1 sample as 1 + 0, one replica empty): the moving statistics
+    equal those of Keras's BatchNormalization fitted on one device on the same global
+    batches.
+
+    The learning rate is zero, so every weight stays at its initial value and the moving
+    statistics depend on the batches alone: Keras's ``fit`` weighs each replica's mean
+    loss equally, so on an uneven step the gradients (hence the weights after it) are
+    not one device's, whatever the batch norm (docs/keras.md); with the weights frozen
+    the comparison is exact up to float32 rounding, at every step, uneven ones included.
+
+    Tolerance, float32 (u = 2**-24): per step the two sides differ by the rounding of the
+    Dense layers (at most 24 products per output, summed in a backend-chosen order:
+    <= 24 u relative to the activations' amplitude A = max |mean| + 4 std, passed on
+    through the first batch norm's output) and of the per-channel sums (Keras's
+    single-device reductions, syncbn's replica-local float32 sums before the float64
+    all-reduce: at most 16 * 4 = 64 terms, <= 64 u), under 100 u * A for a mean
+    (6e-6 A); a variance moves by about 2 std times that. A moving average is a convex
+    combination of such per-step values plus one rounding per update, so the bound holds
+    at the end: 1e-5 * A for moving means, 2e-5 * A * std for moving variances.
+    Weighting the non-empty replicas equally instead (the mean of per-replica means)
+    misses by 0.13 on the 2 + 1 split, where samples carry their own offsets; weighting
+    every replica equally, the empty one included, misses by 2.8 on the 1 + 0 split."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import convert
+
+    rng = np.random.default_rng(21)
+
+    def data(count):
+        # a per-sample offset as well as per-feature ones, so that a 2 + 1 split of the
+        # last batch has replica means far from each other
+        x = rng.standard_normal((count, 4, 5)) + rng.standard_normal((count, 1, 5)) * 2.0
+        x = (x * [1.0, 2.0, 0.5, 1.0, 3.0] + [3.0, -1.0, 5.0, 0.0, 2.0]).astype(np.float32)
+        return tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 3, count))).batch(16, drop_remainder=False)
+
+    datasets = [data(51), data(49)]  # 16, 16, 16, then 3 (2 + 1), and 1 (1 + 0)
+
+    def bn():
+        return keras.layers.BatchNormalization(momentum=0.5)  # the last (uneven) step weighs half
+
+    initial = dense_bn_model(bn).get_weights()
+
+    def fits(strategy, sync):
+        out = []
+        for dataset in datasets:  # a fresh model each: each uneven split is checked on its own
+            with strategy.scope():
+                model = dense_bn_model(bn)
+                model.set_weights(initial)
+                if sync:
+                    model = convert(model)
+                    assert sum(type(layer).__name__ == "SyncBatchNormalization" for layer in model.layers) == 2
+                model.compile(optimizer=keras.optimizers.SGD(0.0),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+            layers = [layer for layer in model.layers if "BatchNormalization" in type(layer).__name__]
+            out.append([(np.array(layer.moving_mean), np.array(layer.moving_variance)) for layer in layers])
+        return out
+
+    reference = fits(tf.distribute.get_strategy(), sync=False)
+    synced = fits(mirrored(2), sync=True)
+    info, over = {}, []
+    for step, (ref_layers, got_layers) in enumerate(zip(reference, synced)):
+        for i, ((ref_mean, ref_var), (mean, var)) in enumerate(zip(ref_layers, got_layers)):
+            std = float(np.sqrt(np.max(ref_var)))
+            amplitude = float(np.max(np.abs(ref_mean))) + 4.0 * std
+            figures = {"mean_error": nan_safe.max_abs_diff(mean, ref_mean), "mean_bound": 1e-5 * amplitude,
+                       "var_error": nan_safe.max_abs_diff(var, ref_var), "var_bound": 2e-5 * amplitude * std}
+            info[f"fit{step}_bn{i}"] = figures
+            # nan_safe's errors are inf where a value is not finite: never within a bound
+            if not (figures["mean_error"] <= figures["mean_bound"] and figures["var_error"] <= figures["var_bound"]):
+                over.append(f"fit{step}_bn{i}")
+    assert not over, (over, info)
+    return info
+
+
 @check
 def revert_trains_per_replica():
     """``revert(convert(model))`` under MirroredStrategy(2) has no SyncBatchNormalization
