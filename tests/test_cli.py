@@ -126,3 +126,23 @@ def test_a_machine_without_what_the_demo_asks_for_is_not_a_usage_error(tmp_path,
         cli.main(["demo", "--device", "cuda", "--out", str(tmp_path / "out")])
     # SystemExit with a message: Python prints it on stderr and exits with status 1
     assert stop.value.code == "syncbn demo: --device cuda given but torch sees no CUDA device"
+
+
+@pytest.mark.parametrize("argv, blocked, named", [
+    ([], "torch", "torch"),
+    (["--framework", "keras"], "tensorflow", "tensorflow"),
+    (["--framework", "keras", "--backend", "jax"], "jax", "jax"),
+    (["--framework", "flax"], "flax", "flax"),
+    (["--framework", "flax"], "sklearn", "scikit-learn"),
+    ([], "matplotlib", "matplotlib"),
+])
+def test_the_demo_without_a_package_it_needs_says_which(argv, blocked, named, tmp_path, monkeypatch, capsys):
+    """``syncbn demo`` where its framework (or scikit-learn, matplotlib, tqdm) is not
+    installed ended in a ModuleNotFoundError traceback from deep in the run; it now names
+    the missing package and the pip command, exit 2, before anything starts."""
+    _no_work(monkeypatch)
+    monkeypatch.setitem(sys.modules, blocked, None)  # what the lookup finds where it is not installed
+    assert cli.main(["demo", *argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"syncbn demo: needs {named}, not installed; install it, e.g. pip install {named}\n", err
+    assert not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..tools.usage import UsageError
+from ..tools.usage import UsageError, packages_missing
 from .config import FRAMEWORKS, KERAS_BACKENDS, QUICK, TORCH_BACKENDS, DemoConfig, check, config_from_args, to_argv
 
 __all__ = ["DemoConfig", "QUICK", "HELP", "add_arguments", "config_from_args", "run", "to_argv"]
@@ -115,19 +115,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show a progress bar per run (default: only when stderr is a terminal)")
 
 
+def _needed_packages(config: DemoConfig) -> list:
+    """The top-level modules the demo's runs import for ``config``: the framework (Keras
+    with its backend's package), then scikit-learn (the digits), matplotlib (the plots)
+    and tqdm (the progress bars)."""
+    framework = {"torch": ["torch"], "flax": ["jax", "flax"],
+                 "keras": ["keras", "jax" if config.backend == "jax" else "tensorflow"]}[config.framework]
+    return framework + ["sklearn", "matplotlib", "tqdm"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``syncbn demo``: the chosen framework's runs, then the report.
 
     A setting no run can take ends here, before any framework is imported, with one
     line on stderr and exit status 2 (a usage error, as in ``syncbn verify``, ``bench``
-    and ``soak``). What this machine lacks for the settings (no CUDA device, fewer
-    devices than replicas) ends the framework's run with exit status 1: the same command
-    line is right on another machine."""
+    and ``soak``); so does a package the runs need that is not installed. What this
+    machine lacks for the settings (no CUDA device, fewer devices than replicas) ends
+    the framework's run with exit status 1: the same command line is right on another
+    machine."""
     try:
         config = config_from_args(args)
         check(config)
     except UsageError as exc:
         print(f"syncbn demo: {exc}", file=sys.stderr)
+        return 2
+    if packages_missing("demo", _needed_packages(config)):
         return 2
     if config.framework == "flax":
         from . import flax as demo_flax

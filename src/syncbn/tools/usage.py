@@ -7,15 +7,22 @@
   on stderr, with exit status 2, as ``argparse`` does for the errors it finds itself.
 - :func:`torch_missing`: a PyTorch-only subcommand run where PyTorch is not installed
   says so in one line, before it starts anything.
+- :func:`packages_missing`: the same for the packages a run needs (``syncbn demo``:
+  its framework, scikit-learn, matplotlib, tqdm), found without importing them.
 
 Imports no framework (``syncbn demo --framework keras`` and ``flax`` use it without torch).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from typing import Sequence
 
-__all__ = ["UsageError", "torch_missing"]
+__all__ = ["UsageError", "packages_missing", "torch_missing"]
+
+# the import name -> the name pip installs it by, where they differ
+_PIP_NAMES = {"sklearn": "scikit-learn"}
 
 
 class UsageError(ValueError):
@@ -30,5 +37,18 @@ def torch_missing(command: str) -> bool:
     except ImportError as exc:
         print(f"syncbn {command}: needs PyTorch ({exc}); install it, e.g. pip install \"syncbn[torch]\"",
               file=sys.stderr)
+        return True
+    return False
+
+
+def packages_missing(command: str, modules: Sequence[str]) -> bool:
+    """Whether any of the top-level ``modules`` is not installed; if so, says on stderr
+    in one line which ``syncbn COMMAND`` needs and the ``pip install`` that adds them
+    (the caller then exits with status 2, as for :func:`torch_missing`). The modules are
+    looked up, not imported: importing Keras before its backend is chosen would fix it."""
+    absent = [_PIP_NAMES.get(name, name) for name in modules if importlib.util.find_spec(name) is None]
+    if absent:
+        print(f"syncbn {command}: needs {', '.join(absent)}, not installed; install "
+              f"{'it' if len(absent) == 1 else 'them'}, e.g. pip install {' '.join(absent)}", file=sys.stderr)
         return True
     return False
