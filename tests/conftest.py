@@ -6,6 +6,7 @@ The pool has 4 ranks; jobs that need a smaller world use the process groups of r
 
 import pytest
 
+import keras_harness
 import torchvision_shim
 from syncbn.tools.launch import WorkerPool
 
@@ -14,6 +15,16 @@ from syncbn.tools.launch import WorkerPool
 torchvision_shim.install()
 
 POOL_SIZE = 4
+
+
+def pytest_collection_finish(session):
+    """Plan the worker suites (``keras_harness.Suite``) the selected tests use: while one
+    runs, the next may run beside it (``keras_harness.JOBS``)."""
+    keras_harness.plan(session.items)
+
+
+def pytest_sessionfinish(session):
+    keras_harness.stop_all()  # a suite started ahead whose tests never ran (-x, Ctrl-C)
 
 
 class _Pools:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,23 +170,157 @@ def finish(procs, timeout):
     return outputs
 
 
+# A worker suite's process reads nothing from us and writes its output to a file (not a
+# pipe: a suite started ahead runs while nobody reads, and a full pipe would stop it).
+# At most JOBS suites run at once; suites are started only while the pytest process waits
+# for one (so while it runs its own tests at most one started ahead runs beside it).
+JOBS = max(1, int(os.environ.get("SYNCBN_TEST_SUITE_JOBS", "2")))
+_PLANNED: list = []  # suites the selected tests need, in the order they first need them
+
+
+class Suite:
+    """One worker process running a list of checks: ``python tests/<script> --out R.json
+    <extra_args> --checks NAME...`` with ``env``, killed ``timeout`` seconds after it
+    started.
+
+    A test module lists its suites in ``WORKER_SUITES``; each is used by the tests that
+    request ``fixture`` (with ``param``, for a parametrized fixture). ``conftest.py``
+    plans the suites of the selected tests (:func:`plan`); :meth:`results` starts this
+    one if it has not started, and, while it waits, the next planned ones (see ``JOBS``).
+    """
+
+    def __init__(self, script, checks, env, timeout, extra_args=(), fixture="results", param=None):
+        self.script, self.checks, self.env, self.timeout = script, list(checks), env, timeout
+        self.extra_args, self.fixture, self.param = list(extra_args), fixture, param
+        self.proc = self.tmp = None
+        self.deadline = None
+        self.done = None  # (results, output) once finished
+
+    def used_by(self, item) -> bool:
+        if self.fixture not in getattr(item, "fixturenames", ()):
+            return False
+        callspec = getattr(item, "callspec", None)
+        return self.param is None or (callspec is not None and callspec.params.get(self.fixture) == self.param)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.done is None
+
+    def start(self):
+        self.tmp = Path(tempfile.mkdtemp(prefix="syncbn-suite-"))
+        with open(self.tmp / "output.txt", "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TESTS / self.script), "--out", str(self.tmp / "results.json"),
+                 *map(str, self.extra_args), "--checks", *self.checks],
+                cwd=str(ROOT), env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        self.deadline = time.monotonic() + self.timeout
+
+    def poll(self) -> bool:
+        """Collect the results if the process has ended or is past its deadline (then
+        kill it and its children); True once finished."""
+        if self.done is None and self.proc is not None:
+            killed = False
+            if self.proc.poll() is None:
+                if time.monotonic() < self.deadline:
+                    return False
+                _kill_group(self.proc)
+                killed = True
+            self._collect(killed)
+        return self.done is not None
+
+    def stop(self):
+        """Kill the process (and its children) if it still runs; drop its files."""
+        if self.running:
+            _kill_group(self.proc)
+            self._collect(True)
+
+    def _collect(self, killed):
+        self.proc.wait()
+        out_path = self.tmp / "results.json"
+        try:
+            results = json.loads(out_path.read_text()) if out_path.exists() else {}
+        except ValueError:  # killed while writing
+            results = {}
+        output = (self.tmp / "output.txt").read_text(errors="replace")
+        if killed:
+            output += f"\n[killed after {self.timeout} s]"
+        self.done = (results, output)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def results(self):
+        """``(results, output)`` of the worker (see :func:`assert_check`)."""
+        if self.proc is None:
+            self.start()
+        while not self.poll():
+            _start_planned(awaited=self)
+            time.sleep(0.2)
+        if self in _PLANNED:
+            _PLANNED.remove(self)
+        return self.done
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _start_planned(awaited):
+    """Start planned suites, in order, while fewer than ``JOBS - 1`` run besides
+    ``awaited``."""
+    for suite in _PLANNED:
+        if suite is awaited or suite.poll() or suite.running:
+            continue
+        if sum(s.running for s in _PLANNED if s is not awaited) >= JOBS - 1:
+            return
+        suite.start()
+
+
+def plan(items):
+    """Plan the suites of the test modules of ``items`` (pytest's selected tests, in run
+    order) that those tests use; nothing starts yet."""
+    stop_all()
+    seen = set()
+    for item in items:
+        if _skipped(item):
+            continue
+        for suite in getattr(getattr(item, "module", None), "WORKER_SUITES", ()):
+            if id(suite) not in seen and suite.used_by(item):
+                seen.add(id(suite))
+                _PLANNED.append(suite)
+
+
+def _skipped(item) -> bool:
+    """Whether a ``skip`` mark, or a ``skipif`` mark whose condition is True, skips ``item``."""
+    for mark in item.iter_markers():
+        if mark.name == "skip" or (mark.name == "skipif" and mark.args and all(a is True for a in mark.args)):
+            return True
+    return False
+
+
+def stop_all():
+    """Kill every planned suite that still runs (end of the session)."""
+    for suite in _PLANNED:
+        suite.stop()
+    _PLANNED.clear()
+
+
 def run_suite(script, checks, env, timeout, extra_args=()):
-    """Run one worker process over ``checks``; return ``(results, output)``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = Path(tmp) / "results.json"
-        proc = start(script, ["--out", out_path, *extra_args, "--checks", *checks], env)
-        (code, output), = finish([proc], timeout)
-        results = json.loads(out_path.read_text()) if out_path.exists() else {}
-    if code is None:
-        output += f"\n[killed after {timeout} s]"
-    return results, output
+    """Run one worker process over ``checks`` now; return ``(results, output)``."""
+    return Suite(script, checks, env, timeout, extra_args).results()
+
+
+def host_device_env(devices):
+    """Environment of a JAX worker with ``devices`` host CPU devices (XLA fixes that count
+    when JAX starts, so it cannot be the pytest process)."""
+    return worker_env("jax", JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
 
 
 def run_host_device_suite(script, checks, devices, timeout):
-    """Run ``script``'s checks in one JAX worker process with ``devices`` host CPU devices
-    (XLA fixes that count when JAX starts, so it cannot be this pytest process)."""
-    env = worker_env("jax", JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return run_suite(script, checks, env, timeout)
+    """Run ``script``'s checks in one JAX worker process with ``devices`` host CPU devices."""
+    return run_suite(script, checks, host_device_env(devices), timeout)
 
 
 def print_check(results, name):

@@ -16,20 +16,23 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason
 TIMEOUT = 600
 
 
-def run(checks, *args):
-    env = harness.worker_env("jax", JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+def suite(checks, fixture, *args):
+    env = harness.host_device_env(DEVICES)
     env.pop("JAX_ENABLE_X64", None)
-    return harness.run_suite("flax/flax_conformance_checks.py", list(checks), env, TIMEOUT, extra_args=args)
+    return harness.Suite("flax/flax_conformance_checks.py", checks, env, TIMEOUT, extra_args=args, fixture=fixture)
+
+
+WORKER_SUITES = [suite(CHECKS, "results"), suite(X64_CHECKS, "results_x64", "--x64")]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run(CHECKS)
+    return WORKER_SUITES[0].results()
 
 
 @pytest.fixture(scope="module")
 def results_x64():
-    return run(X64_CHECKS, "--x64")
+    return WORKER_SUITES[1].results()
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -13,11 +13,13 @@ from flax_checks import CHECKS, DEVICES
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
 
 TIMEOUT = 600
+SUITE = harness.Suite("flax/flax_checks.py", CHECKS, harness.host_device_env(DEVICES), TIMEOUT)
+WORKER_SUITES = [SUITE]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return harness.run_host_device_suite("flax/flax_checks.py", list(CHECKS), DEVICES, TIMEOUT)
+    return SUITE.results()
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

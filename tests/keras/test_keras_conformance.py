@@ -14,13 +14,18 @@ BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 TIMEOUT = 300
 
 
+SUITES = {backend: harness.Suite("keras/keras_conformance_checks.py", CHECKS,
+                                 harness.worker_env(backend, JAX_PLATFORMS="cpu"), TIMEOUT, param=backend)
+          for backend, module in BACKENDS.items() if importlib.util.find_spec(module) is not None}
+WORKER_SUITES = list(SUITES.values())
+
+
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def results(request):
     backend = request.param
-    if importlib.util.find_spec(BACKENDS[backend]) is None:
+    if backend not in SUITES:
         pytest.skip(f"needs {backend}")
-    env = harness.worker_env(backend, JAX_PLATFORMS="cpu")
-    return harness.run_suite("keras/keras_conformance_checks.py", list(CHECKS), env, TIMEOUT)
+    return SUITES[backend].results()
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -12,11 +12,13 @@ from keras_jax_checks import CHECKS, DEVICES
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
 
 TIMEOUT = 300
+SUITE = harness.Suite("keras/keras_jax_checks.py", CHECKS, harness.host_device_env(DEVICES), TIMEOUT)
+WORKER_SUITES = [SUITE]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return harness.run_host_device_suite("keras/keras_jax_checks.py", list(CHECKS), DEVICES, TIMEOUT)
+    return SUITE.results()
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -17,10 +17,15 @@ TIMEOUT = 240
 BACKENDS = [b for b in ("tensorflow", "jax") if importlib.util.find_spec(b) is not None]
 
 
+SUITES = {backend: harness.Suite("keras/keras_roundtrip_checks.py", CHECKS,
+                                 harness.worker_env(backend, JAX_PLATFORMS="cpu"), TIMEOUT, param=backend)
+          for backend in BACKENDS}
+WORKER_SUITES = list(SUITES.values())
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def results(request):
-    env = harness.worker_env(request.param, JAX_PLATFORMS="cpu")
-    return harness.run_suite("keras/keras_roundtrip_checks.py", list(CHECKS), env, TIMEOUT)
+    return SUITES[request.param].results()
 
 
 @pytest.mark.skipif(not BACKENDS, reason="needs tensorflow or jax")

@@ -14,9 +14,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, 
 TIMEOUT = 420
 
 
+SUITE = harness.Suite("keras/keras_tf_checks.py", CHECKS, harness.worker_env("tensorflow"), TIMEOUT)
+WORKER_SUITES = [SUITE]
+
+
 @pytest.fixture(scope="module")
 def results():
-    return harness.run_suite("keras/keras_tf_checks.py", list(CHECKS), harness.worker_env("tensorflow"), TIMEOUT)
+    return SUITE.results()
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -1,0 +1,128 @@
+"""The worker-suite runner of ``keras_harness`` (``Suite``): a suite started ahead runs
+beside the awaited one, a worker that dies or hangs fails its checks (never hangs the
+run), and one that writes more than a pipe holds while nobody reads still finishes."""
+
+import time
+
+import pytest
+
+import keras_harness as harness
+
+WORKER = '''
+import sys, time
+from keras_harness import registry, worker_main
+
+CHECKS, check = registry()
+
+
+@check
+def quick():
+    return {"pid": __import__("os").getpid()}
+
+
+@check
+def chatty():
+    sys.stdout.write("x" * 1_000_000)  # far more than a pipe's buffer (64 KiB on Linux)
+    sys.stdout.flush()
+    return {}
+
+
+@check
+def hangs():
+    time.sleep(600)
+
+
+@check
+def dies():
+    sys.stdout.write("about to die\\n")
+    sys.stdout.flush()
+    __import__("os")._exit(3)
+
+
+@check
+def fails():
+    assert 1 + 1 == 3, "arithmetic"
+
+
+if __name__ == "__main__":
+    worker_main(CHECKS, setup=lambda: None)
+'''
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+@pytest.fixture
+def planned():
+    """An empty plan for the test, and the session's plan back afterwards."""
+    saved = list(harness._PLANNED)
+    harness._PLANNED.clear()
+    yield harness._PLANNED
+    harness.stop_all()
+    harness._PLANNED.extend(saved)
+
+
+def suite(script, checks, timeout=120):
+    return harness.Suite(script, checks, harness.worker_env("jax"), timeout)
+
+
+def test_the_next_planned_suite_starts_while_one_is_awaited(script, planned, monkeypatch):
+    monkeypatch.setattr(harness, "JOBS", 2)
+    first, second, third = (suite(script, ["quick"]) for _ in range(3))
+    planned.extend([first, second, third])
+    assert harness.assert_check(*first.results(), "quick")["pid"] > 0
+    assert second.proc is not None, "the second suite did not start while the first was awaited"
+    assert third.proc is None, "more than JOBS suites started"
+    assert harness.assert_check(*second.results(), "quick")["pid"] > 0
+    assert harness.assert_check(*third.results(), "quick")["pid"] > 0
+
+
+def test_one_job_runs_the_suites_one_after_another(script, planned, monkeypatch):
+    monkeypatch.setattr(harness, "JOBS", 1)
+    first, second = suite(script, ["quick"]), suite(script, ["quick"])
+    planned.extend([first, second])
+    first.results()
+    assert second.proc is None
+
+
+def test_a_suite_started_ahead_and_never_awaited_is_killed_at_the_end(script, planned, monkeypatch):
+    monkeypatch.setattr(harness, "JOBS", 2)
+    first, ahead = suite(script, ["quick"]), suite(script, ["hangs"])
+    planned.extend([first, ahead])
+    first.results()
+    assert ahead.running
+    harness.stop_all()
+    assert ahead.proc.returncode is not None and not ahead.running
+
+
+def test_output_beyond_a_pipe_buffer_does_not_stop_a_worker(script, planned):
+    start = time.monotonic()
+    harness.assert_check(*suite(script, ["chatty", "quick"], timeout=60).results(), "quick")
+    assert time.monotonic() - start < 60
+
+
+def test_a_hanging_worker_is_killed_at_its_timeout(script, planned):
+    start = time.monotonic()
+    results = suite(script, ["quick", "hangs"], timeout=5).results()
+    assert time.monotonic() - start < 60
+    harness.assert_check(*results, "quick")  # finished before the hang: kept
+    with pytest.raises(AssertionError, match=r"(?s)'hangs' did not run.*killed after 5 s"):
+        harness.assert_check(*results, "hangs")
+
+
+def test_a_dying_worker_fails_the_checks_it_did_not_run(script, planned):
+    results = suite(script, ["quick", "dies", "fails"]).results()
+    harness.assert_check(*results, "quick")
+    with pytest.raises(AssertionError, match=r"(?s)'dies' did not run.*about to die"):
+        harness.assert_check(*results, "dies")
+    with pytest.raises(AssertionError, match="'fails' did not run"):
+        harness.assert_check(*results, "fails")
+
+
+def test_a_failing_check_reports_its_traceback(script, planned):
+    with pytest.raises(AssertionError, match=r"(?s)'fails' failed in the worker.*arithmetic"):
+        harness.assert_check(*suite(script, ["fails"]).results(), "fails")
