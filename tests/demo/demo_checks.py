@@ -5,6 +5,8 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +28,41 @@ def run_command(args, cwd, timeout=DEADLINE_S, env=None):
         pytest.fail(f"{' '.join(args)} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
     return out, err
+
+
+class Started:
+    """A command started in its own session, as :func:`run_command` runs one, that may run
+    while another is awaited: its stdout and stderr go to files (a pipe nobody reads
+    would stop it once full), and its deadline counts from its start."""
+
+    def __init__(self, args, cwd, env=None, timeout=DEADLINE_S):
+        self.args, self.timeout = args, timeout
+        self.files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self.files[0], stderr=self.files[1], text=True,
+                                     start_new_session=True)
+        self.deadline = time.monotonic() + timeout
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def finish(self):
+        """``(stdout, stderr)`` once it exited 0; fail if it exited otherwise or overstayed
+        its deadline (then kill its whole session)."""
+        try:
+            self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+            late = False
+        except subprocess.TimeoutExpired:
+            self.kill()
+            late = True
+        out, err = (f.seek(0) or f.read() for f in self.files)
+        for f in self.files:
+            f.close()
+        if late:
+            pytest.fail(f"{' '.join(self.args)} did not finish in {self.timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+        assert self.proc.returncode == 0, f"exit {self.proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+        return out, err
 
 
 def check_report(out_dir, world_size, launcher):
