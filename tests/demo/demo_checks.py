@@ -65,6 +65,25 @@ class Started:
         return out, err
 
 
+def start_together(request, tmp_path_factory, commands):
+    """Start, all at once, the commands of the selected tests of ``request``'s module that
+    are not skipped: ``commands`` maps a test's name to ``(skipped, make_args, env,
+    timeout)``, ``make_args(tmp)`` the command run in its own temporary folder ``tmp``. Yields
+    ``{test name: (tmp, Started)}``; kills what still runs at the end. For a module
+    fixture: independent commands of about one core each then run side by side."""
+    names = {item.name for item in request.session.items if item.module is request.module}
+    started = {}
+    try:
+        for name, (skipped, make_args, env, timeout) in commands.items():
+            if name in names and not skipped:
+                tmp = tmp_path_factory.mktemp(name)
+                started[name] = (tmp, Started(make_args(tmp), tmp, env=env, timeout=timeout))
+        yield started
+    finally:
+        for _, command in started.values():
+            command.kill()
+
+
 def check_report(out_dir, world_size, launcher):
     with open(os.path.join(out_dir, "results.json")) as fh:
         report = json.load(fh)

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 import doc_blocks
-from demo_checks import check_report, run_command
+from demo_checks import DEADLINE_S, check_report, run_command, start_together
 from syncbn import cli, demo
 from syncbn.demo import report as demo_report, torch as demo_torch
 from syncbn.tools.usage import UsageError
+
+NO_FLAX = importlib.util.find_spec("flax") is None
+NO_FLAX_OR_KERAS = NO_FLAX or importlib.util.find_spec("keras") is None
 
 OPTIONS = (
     "--world-size", "--batch-per-rank", "--steps", "--backend", "--device", "--out", "--seed",
@@ -62,12 +65,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
-def test_short_flax_demo_without_torch_or_tensorflow(tmp_path):
+@pytest.mark.skipif(NO_FLAX, reason="needs flax")
+def test_short_flax_demo_without_torch_or_tensorflow(started):
+    tmp_path, command = started["test_short_flax_demo_without_torch_or_tensorflow"]
+    out, err = command.finish()
     out_dir = tmp_path / "demo"
-    # a few steps: each run compiles its own step; 12 are enough to separate the runs by far
-    out, err = run_command([sys.executable, "-c", NO_TORCH_NO_TF, "demo", "--framework", "flax", "--quick",
-                            "--steps", "12", "--eval-every", "6", "--out", str(out_dir)], tmp_path)
     report = check_report(out_dir, 4, "pmap")
     assert report["framework"] == "flax" and report["devices"] == [f"cpu:{i}" for i in range(4)]
     assert report["model"]["batchnorm_layers"] == 14
@@ -98,10 +100,26 @@ print(float(np.max(np.abs(ours - theirs))), float(np.max(np.abs(theirs))))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flax") is None or importlib.util.find_spec("keras") is None,
-                    reason="needs flax and keras")
-def test_flax_twin_starts_from_the_keras_twins_weights(tmp_path):
-    out, _ = run_command([sys.executable, "-c", SAME_START], tmp_path, timeout=300)
+# The Flax demo and the twins' check are independent processes of about one core each:
+# both start when the first test needs one, so on 2 cores they run side by side.
+COMMANDS = {
+    # a few steps: each run compiles its own step; 12 are enough to separate the runs by far
+    "test_short_flax_demo_without_torch_or_tensorflow": (
+        NO_FLAX, lambda tmp: [sys.executable, "-c", NO_TORCH_NO_TF, "demo", "--framework", "flax", "--quick",
+                              "--steps", "12", "--eval-every", "6", "--out", str(tmp / "demo")], None, DEADLINE_S),
+    "test_flax_twin_starts_from_the_keras_twins_weights": (
+        NO_FLAX_OR_KERAS, lambda tmp: [sys.executable, "-c", SAME_START], None, 300),
+}
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    yield from start_together(request, tmp_path_factory, COMMANDS)
+
+
+@pytest.mark.skipif(NO_FLAX_OR_KERAS, reason="needs flax and keras")
+def test_flax_twin_starts_from_the_keras_twins_weights(started):
+    out, _ = started["test_flax_twin_starts_from_the_keras_twins_weights"][1].finish()
     gap, scale = map(float, out.split())
     # the same float32 weights through the same XLA convolutions (0.0 apart, measured): only
     # how the BN / resize arithmetic is written may differ, a few roundings of 6e-8 relative per

@@ -7,52 +7,45 @@ import sys
 import pytest
 
 import keras_harness as harness
-from demo_checks import Started, check_report
+from demo_checks import DEADLINE_S, check_report, start_together
 
 # the command as a user runs it, with ``import torch`` made to fail first
 MAIN = ("import sys, keras_harness; keras_harness.block_torch(); "
         "from syncbn.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
+def demo_command(backend, *extra):
+    """``(skipped, make_args, env, timeout)`` of ``backend``'s demo (see ``start_together``)."""
+    def make_args(tmp):
+        return [sys.executable, "-c", MAIN, "demo", "--framework", "keras", "--backend", backend,
+                "--out", str(tmp / "demo"), *extra]
+    return importlib.util.find_spec(backend) is None, make_args, harness.worker_env(backend, CI="true"), DEADLINE_S
+
+
 # The two demos are independent processes of about one core each: both start when the
-# first test needs one (the module's fixture), so on 2 cores they run side by side.
-DEMOS = {
-    "tensorflow": ["--quick"],
+# first test needs one, so on 2 cores they run side by side.
+COMMANDS = {
+    "test_quick_keras_demo_mirrored": demo_command("tensorflow", "--quick"),
     # a few steps only: on JAX each of the three runs compiles its own step
-    "jax": ["--quick", "--steps", "4", "--eval-every", "2"],
+    "test_short_keras_demo_on_jax": demo_command("jax", "--quick", "--steps", "4", "--eval-every", "2"),
 }
-TESTS = {"test_quick_keras_demo_mirrored": "tensorflow", "test_short_keras_demo_on_jax": "jax"}
 
 
 @pytest.fixture(scope="module")
 def demos(request, tmp_path_factory):
-    """{backend: (out_dir, Started)}: the demos of the selected tests, all started at once;
-    killed at the end of the module if still running."""
-    selected = {TESTS[item.name] for item in request.session.items if item.module is request.module}
-    started = {}
-    for backend in sorted(selected):
-        if importlib.util.find_spec(backend) is None:
-            continue  # its test is skipped
-        tmp = tmp_path_factory.mktemp(f"demo-{backend}")
-        env = harness.worker_env(backend, CI="true")
-        args = [sys.executable, "-c", MAIN, "demo", "--framework", "keras", "--backend", backend,
-                "--out", str(tmp / "demo"), *DEMOS[backend]]
-        started[backend] = (tmp / "demo", Started(args, tmp, env=env))
-    yield started
-    for _, command in started.values():
-        command.kill()
+    yield from start_together(request, tmp_path_factory, COMMANDS)
 
 
-def run_demo(demos, backend):
-    """Wait for ``backend``'s demo; its output dir and stdout."""
-    out_dir, command = demos[backend]
+def run_demo(demos, name):
+    """Wait for test ``name``'s demo; its output dir and stdout."""
+    tmp, command = demos[name]
     out, _ = command.finish()
-    return out_dir, out
+    return tmp / "demo", out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs tensorflow")
 def test_quick_keras_demo_mirrored(demos):
-    out_dir, out = run_demo(demos, "tensorflow")
+    out_dir, out = run_demo(demos, "test_quick_keras_demo_mirrored")
     report = check_report(out_dir, 4, "MirroredStrategy")
     assert report["framework"] == "keras" and report["keras_backend"] == "tensorflow"
     assert report["devices"] == [f"/cpu:{i}" for i in range(4)]
@@ -63,7 +56,7 @@ def test_quick_keras_demo_mirrored(demos):
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
 def test_short_keras_demo_on_jax(demos):
-    out_dir, out = run_demo(demos, "jax")
+    out_dir, out = run_demo(demos, "test_short_keras_demo_on_jax")
     report = check_report(out_dir, 4, "DataParallel")
     assert report["keras_backend"] == "jax" and report["devices"] == [f"cpu:{i}" for i in range(4)]
     for title in ("per-device BN, shard_map", "syncbn, DataParallel", "one device, batch 8"):
