@@ -128,14 +128,16 @@ def worker_env(backend, **extra):
     return env
 
 
-def start(script, args, env):
+def start(script, args, env, stdout=subprocess.PIPE):
     """Start ``python tests/<script> <args>`` in its own process group (``script``: a path
-    under tests/, e.g. ``keras/keras_tf_checks.py``)."""
+    under tests/, e.g. ``keras/keras_tf_checks.py``), its stderr in its ``stdout`` (a pipe,
+    or a file for a process that may run while nobody reads it)."""
     return subprocess.Popen(
         [sys.executable, str(TESTS / script), *map(str, args)],
         cwd=str(ROOT),
         env=env,
-        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
@@ -161,10 +163,7 @@ def finish(procs, timeout):
     if timed_out:
         for i, proc in enumerate(procs):
             if outputs[i] is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill_group(proc)
                 out, _ = proc.communicate()
                 outputs[i] = (None, out)
     return outputs
@@ -209,11 +208,8 @@ class Suite:
     def start(self):
         self.tmp = Path(tempfile.mkdtemp(prefix="syncbn-suite-"))
         with open(self.tmp / "output.txt", "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(TESTS / self.script), "--out", str(self.tmp / "results.json"),
-                 *map(str, self.extra_args), "--checks", *self.checks],
-                cwd=str(ROOT), env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+            args = ["--out", self.tmp / "results.json", *self.extra_args, "--checks", *self.checks]
+            self.proc = start(self.script, args, self.env, stdout=log)
         self.deadline = time.monotonic() + self.timeout
 
     def poll(self) -> bool:
@@ -307,20 +303,10 @@ def stop_all():
     _PLANNED.clear()
 
 
-def run_suite(script, checks, env, timeout, extra_args=()):
-    """Run one worker process over ``checks`` now; return ``(results, output)``."""
-    return Suite(script, checks, env, timeout, extra_args).results()
-
-
 def host_device_env(devices):
     """Environment of a JAX worker with ``devices`` host CPU devices (XLA fixes that count
     when JAX starts, so it cannot be the pytest process)."""
     return worker_env("jax", JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-
-
-def run_host_device_suite(script, checks, devices, timeout):
-    """Run ``script``'s checks in one JAX worker process with ``devices`` host CPU devices."""
-    return run_suite(script, checks, host_device_env(devices), timeout)
 
 
 def print_check(results, name):
