@@ -15,25 +15,15 @@ DEADLINE_S = 900  # generous: a quick demo takes about a minute on 2 idle cores
 
 
 def run_command(args, cwd, timeout=DEADLINE_S, env=None):
-    """Run a command in its own session; kill the whole session if it overstays."""
-    proc = subprocess.Popen(
-        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-    return out, err
+    """Run a command in its own session and wait for it (:class:`Started`): its
+    ``(stdout, stderr)`` once it exited 0; fail if it exited otherwise or overstayed."""
+    return Started(args, cwd, env=env, timeout=timeout).finish()
 
 
 class Started:
-    """A command started in its own session, as :func:`run_command` runs one, that may run
-    while another is awaited: its stdout and stderr go to files (a pipe nobody reads
-    would stop it once full), and its deadline counts from its start."""
+    """A command started in its own session, that may run while another is awaited: its
+    stdout and stderr go to files (a pipe nobody reads would stop it once full), and its
+    deadline counts from its start."""
 
     def __init__(self, args, cwd, env=None, timeout=DEADLINE_S):
         self.args, self.timeout = args, timeout
