@@ -151,10 +151,9 @@ def register() -> None:
       for those names only: it replaces ``torch.nn.SyncBatchNorm`` (and mmcv's
       ``SyncBatchNorm``) for them, in every config, mmcv's ``build_norm_layer`` included,
       also in any registry below ``MODELS`` (mmseg's, mmdet's, ...) that holds one of
-      those names itself. mmcv's own
-      registrations (``mmcv.cnn``, ``mmcv.ops``) are imported first, so that a later
-      import of mmcv cannot undo this (nor fail on a name already taken). ``"BN"`` stays
-      ``torch.nn.BatchNorm2d``.
+      those names itself. mmcv's own registrations (``mmcv.cnn``, ``mmcv.ops``) are
+      imported first, so that a later import of mmcv cannot undo this (nor fail on a
+      name already taken). ``"BN"`` stays ``torch.nn.BatchNorm2d``.
     - Guards ``mmengine.model.convert_sync_batchnorm`` (the function a runner with
       ``sync_bn="torch"`` or ``"mmcv"`` calls, under every name mmengine imports it by):
       on a model that holds any syncbn layer it raises ``RuntimeError("this model is
