@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 import doc_blocks
+from demo.demo_checks import check_report
+from syncbn.demo.config import DemoConfig
+from syncbn.demo.report import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -81,12 +84,23 @@ def run_jax(body, tmp_path):
 
 def run_development(body, tmp_path):
     """``scripts/demo --quick`` runs as written, from the checkout; ``scripts/test`` is what
-    CI runs (``.ci/run`` executes exactly it), so this suite does not start itself again."""
+    CI runs (``.ci/run`` executes exactly it), so this suite does not start itself again.
+
+    This run is also the suite's end-to-end test of the quick demo spawned on this machine
+    (4 ranks, ``python -m syncbn demo --quick`` less the install): it writes to the default
+    ``--out``, ``syncbn-out/demo`` in the checkout, and that report is checked as the other
+    launchers' are (``demo_checks.check_report``). The table printed is that of the file read
+    (each run's seconds included), so the file is this run's, not one left by an earlier one."""
     lines = [line.split("#")[0].strip() for line in body.splitlines() if line.strip()]
     assert lines == ["scripts/demo --quick", "scripts/test"], lines
     assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("exec scripts/test")
     proc = _run(["bash", "-c", lines[0]], tmp_path, _env(), timeout=900, cwd=ROOT)
-    assert "syncbn" in proc.stdout
+    out_dir = ROOT / DemoConfig().out
+    report = check_report(out_dir, 4, "spawned")
+    assert format_table(report) in proc.stdout, "results.json is not the one this run wrote"
+    assert "syncbn matches the big batch" in proc.stdout
+    for title in ("per-rank BN under DDP", "syncbn under DDP", "one process, batch 8"):
+        assert title in proc.stdout
 
 
 HOW = {
