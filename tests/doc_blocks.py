@@ -1,5 +1,5 @@
-"""Running the code blocks of the user-facing documents (README.md, docs/recipes.md) as
-written: finding them, and running a command with a bounded time and a quiet environment."""
+"""Running the code blocks of the user-facing documents (README.md, docs/recipes.md, the
+guides in docs/) as written: finding them, and running a command with a bounded time and a quiet environment."""
 
 from __future__ import annotations
 
@@ -32,6 +32,21 @@ def run(cmd, cwd, environment, timeout=600):
     return proc
 
 
+def gloo_threads() -> list:
+    """The names of this process's threads that are gloo's (Linux names them, e.g.
+    ``pt_gloo_runloop``): none once every gloo process group was freed."""
+    import glob
+
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sorted(name for name in names if "gloo" in name)
+
+
 def exit_unless_group_freed(script: str) -> None:
     """In a rank process, after ``script`` ran: exit with status 3 (``os._exit``, past
     interpreter shutdown) when the script did not destroy its process group, or when any of
@@ -43,7 +58,6 @@ def exit_unless_group_freed(script: str) -> None:
     interpreter shutdown, where on torch 2.13 one of them can abort the process, rarely
     (docs/torch.md, "Ending a job"). This check fails every time such a script runs, not
     only on the rare run that aborts (Linux names the threads, e.g. ``pt_gloo_runloop``)."""
-    import glob
     import sys
 
     import torch.distributed as dist
@@ -57,14 +71,7 @@ def exit_unless_group_freed(script: str) -> None:
         return
     if dist.is_initialized():
         fail("ended without destroy_process_group(): its group and gloo's threads run into interpreter shutdown")
-    names = []
-    for path in glob.glob("/proc/self/task/*/comm"):
-        try:
-            with open(path) as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass
-    left = sorted(name for name in names if "gloo" in name)
+    left = gloo_threads()
     if left:
         fail(f"destroyed its process group, but it was not freed: gloo's threads {left} still run into "
              "interpreter shutdown (something still holds the group)")
