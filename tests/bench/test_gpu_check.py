@@ -2,6 +2,9 @@
 emulated group of two, and the ratios of its summary. (The check itself runs on a GPU:
 ``scripts/gpu-check``; ``python -m syncbn.bench.gpu_check --device cpu`` is its dry run.)"""
 
+import subprocess
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +19,40 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+def test_unusable_out_is_a_usage_error_before_any_work(tmp_path, capsys):
+    """--out under a regular file: exit 2 with one line naming --out, before the GPU
+    question (a machine without one would otherwise exit 0) and without making anything."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert gpu_check.main(["--out", str(blocker / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: --out ") and "is not a folder" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and blocker.read_text() == "not a folder"
+
+
+def test_unusable_out_is_refused_before_torch_loads(tmp_path):
+    """The --out check comes before torch is imported (a bad folder costs no torch start):
+    in a process where importing torch fails, the usage error still comes out."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ImportError('torch blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from syncbn.bench import gpu_check\n"
+        "sys.exit(gpu_check.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, "--out", str(blocker / "out")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("gpu-check: --out ") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
 
 
 def test_no_communication_doubles_and_restores():

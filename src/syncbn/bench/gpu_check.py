@@ -626,6 +626,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--sections", nargs="*", help="run only these (default: all)")
     args = parser.parse_args(argv)
+    from ..tools.output import unusable_output
+
+    problem = unusable_output(args.out)  # before torch loads or any section runs; leaves nothing behind
+    if problem:
+        print(f"gpu-check: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     from ..tools.launch import WorkerPool
