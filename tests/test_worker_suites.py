@@ -2,6 +2,8 @@
 beside the awaited one, a worker that dies or hangs fails its checks (never hangs the
 run), and one that writes more than a pipe holds while nobody reads still finishes."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -100,15 +102,24 @@ def test_a_suite_started_ahead_and_never_awaited_is_killed_at_the_end(script, pl
 
 
 def test_output_beyond_a_pipe_buffer_does_not_stop_a_worker(script, planned):
-    start = time.monotonic()
-    harness.assert_check(*suite(script, ["chatty", "quick"], timeout=60).results(), "quick")
-    assert time.monotonic() - start < 60
+    chatty = suite(script, ["chatty", "quick"], timeout=60)
+    results, output = chatty.results()
+    harness.assert_check(results, output, "quick")
+    # it ended by itself, all it wrote kept: a worker stopped on a full pipe would have
+    # been killed at its deadline instead
+    assert chatty.proc.returncode == 0 and "[killed after" not in output, (chatty.proc.returncode, output[-200:])
+    assert "x" * 1_000_000 in output
 
 
 def test_a_hanging_worker_is_killed_at_its_timeout(script, planned):
-    start = time.monotonic()
-    results = suite(script, ["quick", "hangs"], timeout=5).results()
-    assert time.monotonic() - start < 60
+    hanging = suite(script, ["quick", "hangs"], timeout=5)
+    results = hanging.results()
+    # killed (SIGKILL, not ended by itself) once its deadline had passed, its process group gone
+    assert hanging.proc.returncode == -signal.SIGKILL, hanging.proc.returncode
+    assert time.monotonic() >= hanging.deadline
+    with pytest.raises(ProcessLookupError):
+        os.killpg(hanging.proc.pid, 0)
+    assert results[1].endswith("[killed after 5 s]"), results[1][-200:]
     harness.assert_check(*results, "quick")  # finished before the hang: kept
     with pytest.raises(AssertionError, match=r"(?s)'hangs' did not run.*killed after 5 s"):
         harness.assert_check(*results, "hangs")
