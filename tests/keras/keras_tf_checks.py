@@ -52,6 +52,32 @@ def local(strategy, value):
     return [v.numpy() for v in strategy.experimental_local_results(value)]
 
 
+# The functions given to tf.function and strategy.run below are defs, not lambdas: AutoGraph
+# converts a def from its own source lines, but for a lambda it parses this whole file, at
+# every trace (~0.2 s each, ~60 traces), and then gives up when a line holds two lambdas of
+# the same signature, running the lambda as written. The layer calls inside run alike either
+# way (Keras's Layer.__call__ is never converted; the replica function is converted in both).
+
+
+def replicated(strategy, fn):
+    """``x, ... -> strategy.run(fn, args=(x, ...))``, to trace with tf.function."""
+
+    def run(*args):
+        return strategy.run(fn, args=args)
+
+    return run
+
+
+def replicated_call(strategy, layer, training):
+    """A tf.function of ``layer(x, training=training)`` on every replica."""
+    import tensorflow as tf
+
+    def call(x):
+        return layer(x, training=training)
+
+    return tf.function(replicated(strategy, call))
+
+
 def make_layer(cls, channels, ndim, rng, **kwargs):
     """A built layer with random gamma/beta and random moving statistics."""
     layer = cls(**kwargs)
@@ -94,7 +120,7 @@ def train_step(strategy, layer, xs, dys, masks=None, eager=False):
         grads = tape.gradient(loss, sources)
         return [y] + grads
 
-    run = (lambda *a: strategy.run(step, args=a)) if eager else tf.function(lambda *a: strategy.run(step, args=a))
+    run = replicated(strategy, step) if eager else tf.function(replicated(strategy, step))
     outs = run(*args)
     result = {"y": local(strategy, outs[0]), "dx": local(strategy, outs[1])}
     names = [w.path.split("/")[-1] for w in layer.trainable_weights]
@@ -218,7 +244,7 @@ def second_order_mirrored():
         plain.set_weights(layer.get_weights())
         want = penalty_gradient_step(plain)(tf.constant(np.concatenate(xs))).numpy()
         step = penalty_gradient_step(layer)
-        run = (lambda x: strategy.run(step, args=(x,))) if eager else tf.function(lambda x: strategy.run(step, args=(x,)))
+        run = replicated(strategy, step) if eager else tf.function(replicated(strategy, step))
         got = np.concatenate(local(strategy, run(per_replica(strategy, xs))))
         what = f"{sizes} axis {axis} {'eager' if eager else 'traced'}"
         assert np.max(np.abs(want)) > 1e-3, (what, "a penalty gradient this small proves nothing")
@@ -392,7 +418,6 @@ def integer_inputs_mirrored():
     Keras's layer does on the whole batch cast to float32: float32 output, the same
     values and moving statistics."""
     import keras
-    import tensorflow as tf
 
     from syncbn.keras import SyncBatchNormalization
 
@@ -405,7 +430,7 @@ def integer_inputs_mirrored():
             layer = make_layer(SyncBatchNormalization, 3, 3, np.random.default_rng(22), momentum=0.5)
         keras_layer = make_layer(keras.layers.BatchNormalization, 3, 3, np.random.default_rng(22), momentum=0.5)
         want = keras_layer(x, training=True).numpy()
-        step = tf.function(lambda x: strategy.run(lambda x: layer(x, training=True), args=(x,)))
+        step = replicated_call(strategy, layer, training=True)
         got = local(strategy, step(per_replica(strategy, [x[:split], x[split:]])))
         assert {str(y.dtype) for y in got} == {"float32"}, [y.dtype for y in got]
         info[dtype] = float(np.max(np.abs(np.concatenate(got) - want)))
@@ -532,13 +557,13 @@ def collective_counts():
             X = per_replica(strategy, xs)
 
             calls.clear()
-            tf.function(lambda x: strategy.run(lambda x: layer(x, training=True), args=(x,)))(X)
+            replicated_call(strategy, layer, training=True)(X)
             forward = len(calls) / 2
             calls.clear()
             train_step(strategy, layer, xs, dys)
             both = len(calls) / 2
             calls.clear()
-            tf.function(lambda x: strategy.run(lambda x: layer(x, training=False), args=(x,)))(X)
+            replicated_call(strategy, layer, training=False)(X)
             counts[name] = {"forward": forward, "backward": both - forward, "inference": len(calls) / 2}
     finally:
         tf.distribute.ReplicaContext.all_reduce = original
@@ -781,7 +806,7 @@ def bad_input_errors():
     with strategy.scope():
         synced = SyncBatchNormalization()
         synced.build((None, 3))
-    step = tf.function(lambda x: strategy.run(lambda x: synced(x, training=True), args=(x,)))
+    step = replicated_call(strategy, synced, training=True)
     complexes = per_replica(strategy, [np.ones((2, 3), np.complex64), np.ones((0, 3), np.complex64)])
     messages["complex, 2 replicas"] = expect(TypeError, ["real", "complex64"], lambda: step(complexes))
     wrong = per_replica(strategy, [np.ones((2, 4), np.float32), np.ones((1, 4), np.float32)])
