@@ -692,18 +692,22 @@ def fit_uneven_last_batch_moving_statistics():
     initial = dense_bn_model(bn).get_weights()
 
     def fits(strategy, sync):
+        with strategy.scope():
+            model = dense_bn_model(bn)
+            model.set_weights(initial)
+            if sync:
+                model = convert(model)
+                assert sum(type(layer).__name__ == "SyncBatchNormalization" for layer in model.layers) == 2
+            model.compile(optimizer=keras.optimizers.SGD(0.0),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        start = model.get_weights()
+        layers = [layer for layer in model.layers if "BatchNormalization" in type(layer).__name__]
         out = []
-        for dataset in datasets:  # a fresh model each: each uneven split is checked on its own
-            with strategy.scope():
-                model = dense_bn_model(bn)
-                model.set_weights(initial)
-                if sync:
-                    model = convert(model)
-                    assert sum(type(layer).__name__ == "SyncBatchNormalization" for layer in model.layers) == 2
-                model.compile(optimizer=keras.optimizers.SGD(0.0),
-                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        for dataset in datasets:
+            # every weight (moving statistics included) back at its start: each uneven split
+            # is checked on its own, as with a fresh model, and one traced step serves both
+            model.set_weights(start)
             model.fit(dataset, epochs=1, verbose=0, shuffle=False)
-            layers = [layer for layer in model.layers if "BatchNormalization" in type(layer).__name__]
             out.append([(np.array(layer.moving_mean), np.array(layer.moving_variance)) for layer in layers])
         return out
 
