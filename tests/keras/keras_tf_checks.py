@@ -587,36 +587,50 @@ def small_convnet(bn, seed=0):
     return keras.Model(inputs, outputs)
 
 
+_CONVNET_FITS = {}
+
+
+def convnet_fit(kind):
+    """The weights of :func:`small_convnet` after ``model.fit`` (SGD 0.1, 2 epochs of 4
+    batches of 16, in order), from the same weights on the same data: ``"single"``, Keras's
+    layer on one device (no strategy); under MirroredStrategy(2), ``"plain"`` (Keras's
+    layer), ``"converted"`` (``convert(model)``) or ``"reverted"``
+    (``revert(convert(model))``, checked to hold no SyncBatchNormalization). Each is
+    trained once per process: fit_matches_single_device and revert_trains_per_replica
+    both compare with the plain and converted runs."""
+    import keras
+    import tensorflow as tf
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    if kind not in _CONVNET_FITS:
+        rng = np.random.default_rng(9)
+        x = (rng.standard_normal((64, 8, 8, 3)) * [1.0, 2.0, 0.5] + [3.0, -1.0, 5.0]).astype(np.float32)
+        y = rng.integers(0, 3, 64)
+        initial = small_convnet(keras.layers.BatchNormalization).get_weights()
+        strategy = tf.distribute.get_strategy() if kind == "single" else mirrored(2)
+        with strategy.scope():
+            model = small_convnet(keras.layers.BatchNormalization)
+            model.set_weights(initial)
+            if kind in ("converted", "reverted"):
+                model = convert(model)
+            if kind == "reverted":
+                model = revert(model)
+                left = [layer.name for layer in all_layers(model) if isinstance(layer, SyncBatchNormalization)]
+                assert not left, left
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        _CONVNET_FITS[kind] = model.get_weights()
+    return _CONVNET_FITS[kind]
+
+
 @check
 def fit_matches_single_device():
     """model.fit under MirroredStrategy(2) with convert(): the weights after several
     steps equal those of one device trained on the concatenated batches. The same model
     with Keras's unsynchronized BN does not (so the check can tell them apart)."""
-    import keras
-
-    from syncbn.keras import convert
-
-    rng = np.random.default_rng(9)
-    x = (rng.standard_normal((64, 8, 8, 3)) * [1.0, 2.0, 0.5] + [3.0, -1.0, 5.0]).astype(np.float32)
-    y = rng.integers(0, 3, 64)
-    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
-
-    def train(strategy, sync):
-        with strategy.scope():
-            model = small_convnet(keras.layers.BatchNormalization)
-            model.set_weights(initial)
-            if sync:
-                model = convert(model)
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights()
-
-    import tensorflow as tf
-
-    single = train(tf.distribute.get_strategy(), sync=False)
-    synced = train(mirrored(2), sync=True)
-    unsynced = train(mirrored(2), sync=False)
+    single, synced, unsynced = convnet_fit("single"), convnet_fit("converted"), convnet_fit("plain")
     diff_synced = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(single, synced))
     diff_unsynced = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(single, unsynced))
     assert diff_synced < 1e-4, diff_synced
@@ -735,31 +749,7 @@ def revert_trains_per_replica():
     batch): after ``fit`` its weights are those of the plain model trained alike, and
     far from those of the converted model trained alike (so the check tells the two
     apart)."""
-    import keras
-
-    from syncbn.keras import SyncBatchNormalization, convert, revert
-
-    rng = np.random.default_rng(16)
-    x = (rng.standard_normal((64, 8, 8, 3)) * [1.0, 2.0, 0.5] + [3.0, -1.0, 5.0]).astype(np.float32)
-    y = rng.integers(0, 3, 64)
-    initial = small_convnet(keras.layers.BatchNormalization).get_weights()
-
-    def train(kind):
-        with mirrored(2).scope():
-            model = small_convnet(keras.layers.BatchNormalization)
-            model.set_weights(initial)
-            if kind != "plain":
-                model = convert(model)
-            if kind == "reverted":
-                model = revert(model)
-                left = [layer.name for layer in all_layers(model) if isinstance(layer, SyncBatchNormalization)]
-                assert not left, left
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights()
-
-    plain, reverted, converted = train("plain"), train("reverted"), train("converted")
+    plain, reverted, converted = convnet_fit("plain"), convnet_fit("reverted"), convnet_fit("converted")
     diff_reverted = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(plain, reverted))
     diff_converted = nan_safe.worst(nan_safe.max_abs_diff(a, b) for a, b in zip(plain, converted))
     # The same layer code on the same replica batches: equal up to the order of sums.
