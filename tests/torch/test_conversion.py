@@ -119,7 +119,7 @@ def test_subclass_overriding_forward_is_left_with_a_warning():
         out = syncbn.convert_sync_batchnorm(model)
     assert type(out[0]) is BatchNormAct and type(out[2]) is BatchNormAct
     assert isinstance(out[1], syncbn.SyncBatchNorm)
-    assert type(syncbn.revert_sync_batchnorm(out)[1]) is nn.BatchNorm2d
+    assert type(syncbn.revert_sync_batchnorm(out)[1]) is PlainSubclass
 
 
 def test_strict_raises_before_changing_anything():
@@ -188,7 +188,7 @@ def test_registered_conversion_round_trip():
         assert out[0]._syncbn_origin is BatchNormAct
         torch.testing.assert_close(out(x), expected, rtol=0, atol=0)
         back = syncbn.revert_sync_batchnorm(out)
-        assert [type(m) for m in (back[0], back[1][0], back[2])] == [BatchNormAct, BatchNormAct, nn.BatchNorm2d]
+        assert [type(m) for m in (back[0], back[1][0], back[2])] == [BatchNormAct, BatchNormAct, PlainSubclass]
         assert [id(p) for p in back.parameters()] == params
         torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
     finally:
@@ -202,6 +202,150 @@ def test_registered_conversion_round_trip():
 def test_revert_keeps_an_unregistered_subclass_that_overrides_forward():
     layer = nn.Sequential(SyncBatchNormRelu(3))
     assert type(syncbn.revert_sync_batchnorm(layer)[0]) is SyncBatchNormRelu
+
+
+class SquareOnlyBatchNorm(nn.BatchNorm2d):
+    """A user's plain subclass: its own ``__init__`` (an extra argument kept as an attribute),
+    an input check stricter than torch's (square images only) and its own ``extra_repr``."""
+
+    def __init__(self, num_features, site="stem", **kwargs):
+        super().__init__(num_features, **kwargs)
+        self.site = site
+
+    def _check_input_dim(self, input):
+        if input.dim() != 4 or input.shape[-1] != input.shape[-2]:
+            raise ValueError("SquareOnlyBatchNorm takes square images only")
+
+    def extra_repr(self):
+        return super().extra_repr() + f", site={self.site}"
+
+
+class AnyRankNorm(nn.modules.batchnorm._BatchNorm):
+    """Written here after the pattern of mmengine's ``_BatchNormXd``: torch's forward on any
+    rank, straight under ``_BatchNorm`` (no BatchNorm1d/2d/3d in its bases)."""
+
+    def _check_input_dim(self, input):
+        return
+
+
+def _quiet_round_trip(model):
+    """Convert (``strict=True``) and revert the Sequential ``model``, neither of them warning;
+    returns the classes of the converted model's layers, and the reverted model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        synced = syncbn.convert_sync_batchnorm(model, strict=True)
+        kinds = [type(m) for m in synced]  # before revert, which works in place
+        return kinds, syncbn.revert_sync_batchnorm(synced)
+
+
+def test_a_plain_subclass_comes_back_as_its_own_class():
+    """Convert then revert gives back the user's class itself, with its attribute, its input
+    check (rejecting what it rejected before), its repr, the same tensors and state_dict, and
+    bitwise the outputs it computed, in eval and in training. It came back as
+    nn.BatchNorm2d: ``site`` was still there, but the check and repr were torch's."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), SquareOnlyBatchNorm(4, site="head", eps=1e-3), nn.ReLU())
+    _randomize_buffers(model)
+    x, oblong = torch.randn(2, 3, 5, 5) + 1, torch.randn(2, 3, 5, 4)
+    reference = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="square images only"):
+        model(oblong)
+    expected_repr, before = repr(model), {k: v.clone() for k, v in model.state_dict().items()}
+    tensors = dict(model.state_dict(keep_vars=True))
+    kinds, back = _quiet_round_trip(model)
+    assert kinds[1] is syncbn.SyncBatchNorm
+    layer = back[1]
+    assert type(layer) is SquareOnlyBatchNorm and layer.site == "head" and layer.eps == 1e-3
+    assert "_syncbn_origin" not in layer.__dict__
+    assert repr(back) == expected_repr
+    assert list(back.state_dict()) == list(before)
+    for key, value in back.state_dict(keep_vars=True).items():
+        assert value is tensors[key] and torch.equal(value, before[key]), key
+    with pytest.raises(ValueError, match="square images only"):
+        back(oblong)
+    for mode in ("eval", "train"):  # the same kernel: equal bit for bit, running buffers too
+        getattr(back, mode)()
+        getattr(reference, mode)()
+        torch.testing.assert_close(back(x), reference(x), rtol=0, atol=0)
+    for (key, ours), theirs in zip(back.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs), key
+    with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it still runs
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(back.eval())  # scripts as the user's own layer does
+    torch.testing.assert_close(scripted(x), reference.eval()(x), rtol=0, atol=0)
+
+
+def test_a_plain_subclass_comes_back_as_itself_after_fusion():
+    """fuse_batchnorm_act then revert: the batch norm is the user's class again, the
+    activation the user's module object. It came back as nn.BatchNorm2d."""
+    model = _seeded(_stem())
+    model[1] = _seeded(nn.Sequential(SquareOnlyBatchNorm(4, site="fused")))[0]
+    activation = model[2]
+    ref = _fuse_expecting(model, {})
+    assert _fused_names(model) == ["1"]
+    back = syncbn.revert_sync_batchnorm(model)
+    assert type(back[1]) is SquareOnlyBatchNorm and back[1].site == "fused" and back[2] is activation
+    back.double()
+    torch.testing.assert_close(back(_image(0).double()), ref(_image(0).double()), rtol=0, atol=0)
+
+
+def test_an_any_rank_batch_norm_comes_back_as_itself():
+    """A ``_BatchNorm`` subclass of no rank comes back as itself, taking every rank it took.
+    It came back as syncbn.BatchNormNd."""
+    model = nn.Sequential(AnyRankNorm(3, momentum=0.3))
+    _randomize_buffers(model)
+    reference = copy.deepcopy(model)
+    _, back = _quiet_round_trip(model)
+    assert type(back[0]) is AnyRankNorm and back[0].momentum == 0.3
+    for shape in [(4, 3), (4, 3, 5), (2, 3, 2, 2, 3)]:
+        x = torch.randn(shape) + 1
+        torch.testing.assert_close(back(x), reference(x), rtol=0, atol=0)
+    torch.testing.assert_close(back[0].running_mean, reference[0].running_mean, rtol=0, atol=0)
+
+
+class TorchSyncSubclass(nn.SyncBatchNorm):
+    def __init__(self, num_features, **kwargs):
+        super().__init__(num_features, **kwargs)
+        self.kind = "sync"
+
+
+@pytest.mark.parametrize("cls", [nn.SyncBatchNorm, TorchSyncSubclass, syncbn.SyncBatchNorm])
+def test_a_synchronizing_origin_still_reverts_to_batchnormnd(cls):
+    """Revert never gives back a layer that synchronizes: torch's SyncBatchNorm (and a
+    subclass of it) and a syncbn SyncBatchNorm built directly become BatchNormNd, as before."""
+    _, back = _quiet_round_trip(nn.Sequential(cls(3)))
+    assert type(back[0]) is BatchNormNd
+    assert back[0].__dict__.get("kind") == ("sync" if cls is TorchSyncSubclass else None)  # attributes travel
+
+
+def test_a_local_subclass_round_trips_and_one_changed_since_falls_back_with_a_warning():
+    """A class defined in a function comes back as itself. One whose class was given a
+    ``forward`` after the conversion is no plain batch norm any more: an instance of it made
+    of the converted layer's state would not be the layer that was converted, so it comes back
+    as its torch base, with a warning naming the class and why."""
+    class Local(nn.BatchNorm2d):
+        pass
+
+    _, back = _quiet_round_trip(nn.Sequential(Local(3)))
+    assert type(back[0]) is Local
+    synced = syncbn.convert_sync_batchnorm(nn.Sequential(Local(3)), strict=True)
+    Local.forward = lambda self, x: nn.BatchNorm2d.forward(self, x) * 2
+    with pytest.warns(UserWarning, match=r"not the class they were converted from: 1 x .*Local as BatchNorm2d "
+                                         r"\(its class overrides forward"):
+        back = syncbn.revert_sync_batchnorm(synced)
+    assert type(back[0]) is nn.BatchNorm2d
+
+
+class SlottedBatchNorm(nn.BatchNorm2d):
+    __slots__ = ("note",)
+
+
+def test_a_subclass_with_slots_falls_back_with_a_warning():
+    """``__slots__`` change the instance layout (and conversion carries only the instance
+    dictionary): such a class is not given back, but named in a warning."""
+    synced = syncbn.convert_sync_batchnorm(nn.Sequential(SlottedBatchNorm(3)), strict=True)
+    with pytest.warns(UserWarning, match=r"1 x .*SlottedBatchNorm as BatchNorm2d \(SlottedBatchNorm declares __slots__"):
+        back = syncbn.revert_sync_batchnorm(synced)
+    assert type(back[0]) is nn.BatchNorm2d
 
 
 def test_uninitialized_lazy_batchnorm_is_left_with_a_warning():

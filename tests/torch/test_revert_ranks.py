@@ -1,10 +1,10 @@
 """Revert gives back a layer that takes every input the converted one took.
 
-A layer whose rank-specific origin is recorded (``BatchNorm1d/2d/3d``) goes back to
-exactly that class. A layer of unknown or rank-agnostic origin (``torch.nn.SyncBatchNorm``,
-as MONAI's ``norm="syncbatch"`` builds; a ``syncbn.SyncBatchNorm`` built directly;
-another library's any-rank batch norm such as mmengine's ``_BatchNormXd``) goes back to
-``syncbn.torch.BatchNormNd``: torch's own ``_BatchNorm.forward`` with
+A layer whose plain origin is recorded (``BatchNorm1d/2d/3d``, a subclass of one, another
+library's any-rank batch norm such as mmengine's ``_BatchNormXd``) goes back to exactly
+that class. A layer of unknown or synchronizing origin (``torch.nn.SyncBatchNorm``, as
+MONAI's ``norm="syncbatch"`` builds; a ``syncbn.SyncBatchNorm`` built directly) goes back
+to ``syncbn.torch.BatchNormNd``: torch's own ``_BatchNorm.forward`` with
 ``torch.nn.SyncBatchNorm``'s input check. (It used to go back to ``BatchNorm2d``, whose
 check refuses the 5-D inputs of every 3-D model: "expected 4D input (got 5D input)".)
 
@@ -92,8 +92,9 @@ def bn_types(model):
 @pytest.mark.parametrize("source", sorted(SOURCES))
 @pytest.mark.parametrize("dims", [0, 1, 2, 3], ids=["(N,C)", "1d", "2d", "3d"])
 def test_a_layer_of_no_known_rank_reverts_to_one_that_takes_its_inputs(dims, source):
-    """Convert, revert: every layer is a BatchNormNd holding the same tensors, and the
-    model equals torch's BatchNorm{1,2,3}d model exactly, training and eval."""
+    """Convert, revert: every layer is a BatchNormNd (the any-rank class it came from, for
+    another library's) holding the same tensors, and the model equals torch's
+    BatchNorm{1,2,3}d model exactly, training and eval."""
     model = build(dims, SOURCES[source])
     before = snapshot(model)
     tensors = {k: v for k, v in model.state_dict(keep_vars=True).items()}
@@ -117,16 +118,16 @@ def test_a_layer_of_no_known_rank_reverts_to_one_that_takes_its_inputs(dims, sou
     reference.eval()
     x = inputs(dims, 9)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-    assert bn_types(model) == [BatchNormNd] * 2
+    assert bn_types(model) == [AnyRankBatchNorm if source == "another-library" else BatchNormNd] * 2
 
 
 class Plain3d(nn.BatchNorm3d):
-    """A subclass that keeps torch's forward: it reverts to its torch base."""
+    """A subclass that keeps torch's forward: it reverts to itself."""
 
 
 @pytest.mark.parametrize("cls,want", [
     (nn.BatchNorm1d, nn.BatchNorm1d), (nn.BatchNorm2d, nn.BatchNorm2d), (nn.BatchNorm3d, nn.BatchNorm3d),
-    (Plain3d, nn.BatchNorm3d),
+    (Plain3d, Plain3d),
 ], ids=["1d", "2d", "3d", "subclass-of-3d"])
 def test_a_layer_from_a_rank_specific_class_reverts_to_that_class(cls, want):
     model = syncbn.convert_sync_batchnorm(nn.Sequential(cls(4, eps=1e-3)), strict=True)

@@ -209,9 +209,10 @@ class BatchNormNd(_BatchNorm):
     those of ``torch.nn.BatchNorm2d``.
 
     :func:`syncbn.revert_sync_batchnorm` gives a layer back as this class when it does
-    not know a rank-specific class it came from: a ``torch.nn.SyncBatchNorm`` (MONAI's
-    ``norm="syncbatch"``, ...), a :class:`syncbn.SyncBatchNorm` built directly, another
-    library's rank-agnostic batch norm (mmengine's ``_BatchNormXd``). It is a plain batch
+    not know a plain class it came from: a ``torch.nn.SyncBatchNorm`` (MONAI's
+    ``norm="syncbatch"``, ...), a :class:`syncbn.SyncBatchNorm` built directly (another
+    library's rank-agnostic batch norm, mmengine's ``_BatchNormXd``, goes back to its own
+    class). It is a plain batch
     norm to every converter: :func:`syncbn.convert_sync_batchnorm` turns it into
     :class:`syncbn.SyncBatchNorm` (and revert gives this class again), torch's and timm's
     ``convert_sync_batchnorm`` into ``torch.nn.SyncBatchNorm``.

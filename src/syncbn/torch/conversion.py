@@ -47,8 +47,9 @@ __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "fuse_batchnorm_ac
 
 # classes whose forward is plain batch norm over the whole batch
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, BatchNormNd)
-# what revert gives back: the rank-specific torch class a layer came from, if any; else
-# (origin unknown or rank-agnostic) BatchNormNd, which takes every input the layer took
+# what revert gives back: the plain class a layer came from (see _not_restorable); else the
+# rank-specific torch class that class derives from, if any; else (origin unknown or
+# synchronizing) BatchNormNd, which takes every input the layer took
 _RANKED_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # the class names a scripted (TorchScript) batch norm keeps as its original_name
@@ -540,13 +541,19 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Return ``module`` with every :class:`syncbn.SyncBatchNorm` back as a plain batch
-    norm that takes every input the layer took: the ``torch.nn.BatchNorm1d/2d/3d`` it was
-    converted from (or the one its class derives from), else
-    :class:`syncbn.torch.BatchNormNd`, torch's plain batch norm for inputs of any rank
-    (a layer converted from ``torch.nn.SyncBatchNorm`` or from another library's
-    rank-agnostic batch norm, or a ``SyncBatchNorm`` built directly). Values are
-    identical (the same kernel); the same parameter and buffer tensors are moved back,
-    so the ``state_dict`` keys and tensors do not change.
+    norm that takes every input the layer took: an instance of exactly the class it was
+    converted from (``torch.nn.BatchNorm1d/2d/3d``, your subclass of one with its own
+    ``__init__``, ``_check_input_dim`` and ``extra_repr``, another library's any-rank
+    ``_BatchNorm`` subclass such as mmengine's ``_BatchNormXd``), not built by that class's
+    ``__init__`` but holding what it set: the instance attributes move back with the
+    tensors. A layer converted from ``torch.nn.SyncBatchNorm`` (or a subclass of it: revert
+    never gives back a synchronizing layer), or a ``SyncBatchNorm`` built directly, becomes
+    :class:`syncbn.torch.BatchNormNd`, torch's plain batch norm for inputs of any rank; a
+    lazy layer, the class its first forward makes of it. A class that is no plain batch
+    norm any more (given a ``forward`` since, or declaring ``__slots__``) is given back as
+    the ``BatchNorm1d/2d/3d`` it derives from (else ``BatchNormNd``), with a warning naming
+    it. Values are identical (the same kernel); the same parameter and buffer tensors are
+    moved back, so the ``state_dict`` keys and tensors do not change.
 
     A layer made by a conversion registered with :func:`register_conversion` goes back
     through that registration's ``to_plain`` (timm's layers become timm's
@@ -574,7 +581,7 @@ def _revert(module: nn.Module, keep) -> nn.Module:
     _register_known()
     kept = {id(m) for m in keep}
     names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
-    skipped = []
+    skipped, fallbacks = [], []
     placeholders = [m for m in module.modules() if isinstance(m, _FusedActivation)]
     layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct) and id(m) not in kept}
     restored = {id(p._syncbn_fused_into) for p in placeholders if id(p._syncbn_fused_into) in layers}
@@ -610,13 +617,13 @@ def _revert(module: nn.Module, keep) -> nn.Module:
                 return m
             return _carry_registered(m, new)
         if isinstance(m, SyncBatchNormAct):
-            bn = _plain_batchnorm(m)
+            bn = _plain_batchnorm(m, fallbacks=fallbacks)
             if id(m) in restored:  # its activation comes back in its own place
                 return bn
             return nn.Sequential(bn, _activation_module(m))
         if not plain(m):
             return m
-        return _plain_batchnorm(m, hooks=True)
+        return _plain_batchnorm(m, hooks=True, fallbacks=fallbacks)
 
     # the layers first (a skipped fused layer keeps its placeholder), then the placeholders
     module = _replace(module, lambda m: m if isinstance(m, _FusedActivation) else swap(m))
@@ -626,16 +633,65 @@ def _revert(module: nn.Module, keep) -> nn.Module:
             "syncbn.revert_sync_batchnorm left these layers as they are: " + "; ".join(sorted(set(skipped))),
             stacklevel=2,
         )
+    if fallbacks:
+        warnings.warn(
+            "syncbn.revert_sync_batchnorm gave these layers back as a torch class, not the class they were "
+            "converted from: " + "; ".join(f"{count} x {what}" for what, count in sorted(Counter(fallbacks).items())),
+            stacklevel=2,
+        )
     return result
 
 
-def _plain_batchnorm(m: nn.Module, hooks: bool = False) -> nn.Module:
+def _plain_batchnorm(m: nn.Module, hooks: bool = False, fallbacks: Optional[list] = None) -> nn.Module:
+    """The plain batch norm that revert gives back for ``m``, holding ``m``'s state: an
+    instance of exactly the class ``m`` was converted from where :func:`_not_restorable`
+    allows it (a user's subclass, another library's any-rank batch norm), else of the
+    ``BatchNorm1d/2d/3d`` that class derives from, else :class:`BatchNormNd`, which takes
+    every input ``m`` took (no origin recorded, ``torch.nn.SyncBatchNorm``). Where an
+    origin that conversion took cannot be given back, ``fallbacks`` gets why."""
     origin = m.__dict__.get("_syncbn_origin")
-    # the rank-specific torch class the layer came from (a subclass reverts to its torch
-    # base); a layer of unknown or rank-agnostic origin takes any rank, and so does its revert
-    cls = next((c for c in getattr(origin, "__mro__", ()) if c in _RANKED_BN), BatchNormNd)
+    why = _not_restorable(origin)
+    if why is None:  # built as its torch base, then made the origin (see _not_restorable)
+        cls = next(c for c in origin.__mro__ if c in _BUILT_BN)
+    else:
+        cls = next((c for c in getattr(origin, "__mro__", ()) if c in _RANKED_BN), BatchNormNd)
+        if why and fallbacks is not None:
+            fallbacks.append(f"{origin.__module__}.{origin.__qualname__} as {cls.__name__} ({why})")
     new = cls(_channels(m), m.eps, m.momentum, m.affine, m.track_running_stats, device="meta")
+    if why is None and origin is not cls:
+        object.__setattr__(new, "__class__", origin)
     return _move_state(m, new, attributes=True, hooks=hooks)
+
+
+# the classes revert builds a plain layer as: torch's and syncbn's plain batch norms, and
+# their common base (for an any-rank subclass of it, such as mmengine's ``_BatchNormXd``)
+_BUILT_BN = _RANKED_BN + (BatchNormNd, _BatchNorm)
+
+
+def _not_restorable(origin) -> str | None:
+    """None where revert can give a layer back as ``origin``, the class it was converted
+    from: a plain batch norm, built as the torch base it derives from (the first of
+    :data:`_BUILT_BN` in its MRO: that base's ``__init__`` makes the same parameters,
+    buffers and fields as ``origin``'s own ``__init__`` did through it, and the attributes
+    that ``__init__`` added travel with the layer, :func:`_carry`) and then made an
+    instance of ``origin``. Sound because ``origin`` differs from that base only in the
+    methods conversion allows (:data:`_HARMLESS_METHODS`) and adds no ``__slots__`` (the
+    same instance layout). Else why not: "" for the origins revert never gives back
+    (none recorded, a lazy class, a synchronizing one: ``torch.nn.SyncBatchNorm`` and its
+    subclasses, syncbn's own), a reason for one that conversion took but that has since
+    changed (a method overridden on its class, ``__slots__``)."""
+    if not isinstance(origin, type) or not issubclass(origin, _BatchNorm):
+        return ""
+    if issubclass(origin, (nn.SyncBatchNorm, _SyncNormBase, LazyModuleMixin, torch.jit.ScriptModule)):
+        return ""
+    base = next(c for c in origin.__mro__ if c in _BUILT_BN)
+    overridden = _overridden(origin, _BUILT_BN)
+    if overridden:
+        return f"its class overrides {', '.join(overridden)}, which a plain batch norm does not"
+    slotted = [c.__qualname__ for c in origin.__mro__[:origin.__mro__.index(base)] if vars(c).get("__slots__")]
+    if slotted or origin.__basicsize__ != base.__basicsize__:
+        return f"{', '.join(slotted) or origin.__qualname__} declares __slots__, which conversion does not carry"
+    return None
 
 
 # ---- fusing batch norm + activation ------------------------------------------------
