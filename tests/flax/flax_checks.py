@@ -13,6 +13,7 @@ updated running statistics.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -641,9 +642,7 @@ def pmap_variance(model, parts):
 
     x = jnp.asarray(np.stack(parts))
     variables = model.init(jax.random.PRNGKey(0), x[0])
-    fn = jax.pmap(lambda x: model.apply(variables, x, mutable=["batch_stats"])[1]["batch_stats"]["var"],
-                  axis_name=AXIS)
-    return np.asarray(fn(x))[0].astype(np.float64)
+    return np.asarray(_variance_fn(model, "pmap")(variables, x))[0].astype(np.float64)
 
 
 def jit_variance(model, parts, keep=None):
@@ -657,8 +656,21 @@ def jit_variance(model, parts, keep=None):
     x = jax.device_put(jnp.asarray(np.concatenate(parts)), sharding)
     mask = None if keep is None else jax.device_put(jnp.asarray(keep), sharding)
     variables = model.init(jax.random.PRNGKey(0), jnp.asarray(parts[0]))
-    fn = jax.jit(lambda x, mask: model.apply(variables, x, mask=mask, mutable=["batch_stats"])[1])
-    return np.asarray(fn(x, mask)["batch_stats"]["var"]).astype(np.float64)
+    return np.asarray(_variance_fn(model, "jit")(variables, x, mask)).astype(np.float64)
+
+
+@functools.cache
+def _variance_fn(model, how):
+    """The model's training call returning the updated variance, under ``pmap`` (over
+    the leading axis) or ``jit``, the variables an argument: made once per model (Flax
+    modules hash by their fields), so that the calls for each |mean|/std reuse its
+    compiled program, where a fresh closure per call would compile it again."""
+    import jax
+
+    def var(variables, x, mask=None):
+        return model.apply(variables, x, mask=mask, mutable=["batch_stats"])[1]["batch_stats"]["var"]
+
+    return jax.pmap(var, axis_name=AXIS, in_axes=(None, 0)) if how == "pmap" else jax.jit(var)
 
 
 @check

@@ -578,7 +578,7 @@ def half_case(x_name, param_dtype, x, axis_name):
     kw = dict(use_running_average=False, force_float32_reductions=False, param_dtype=param_dtype, momentum=0.0)
     ours, theirs = sf.BatchNorm(axis_name=axis_name, **kw), nn.BatchNorm(use_fast_variance=False, **kw)
     rows = x.reshape(-1, x.shape[-1])
-    variables = theirs.init(jax.random.PRNGKey(0), rows)
+    variables = jax.jit(theirs.init)(jax.random.PRNGKey(0), rows)
     dy = jnp.asarray(np.random.default_rng(5).standard_normal(x.shape), x.dtype)
 
     def step(x):
@@ -586,9 +586,17 @@ def half_case(x_name, param_dtype, x, axis_name):
         return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
 
     f = jax.pmap(step, axis_name=axis_name, devices=jax.devices()[:x.shape[0]]) if axis_name else step
-    (y, mean, var), pullback = jax.vjp(f, x)
-    (dx,) = pullback((dy.astype(y.dtype), jnp.zeros_like(mean), jnp.zeros_like(var)))
-    want_y, want_upd = theirs.apply(variables, rows, mutable=["batch_stats"])
+
+    # forward and backward as one program (the eager path runs in the other checks): on
+    # 140000 x 2 elements each eager operation would be a program of its own
+    @jax.jit
+    def train(x, dy):
+        (y, mean, var), pullback = jax.vjp(f, x)
+        (dx,) = pullback((dy.astype(y.dtype), jnp.zeros_like(mean), jnp.zeros_like(var)))
+        return y, mean, var, dx
+
+    y, mean, var, dx = train(x, dy)
+    want_y, want_upd = jax.jit(lambda v, r: theirs.apply(v, r, mutable=["batch_stats"]))(variables, rows)
     assert y.dtype == want_y.dtype and dx.dtype == x.dtype, (x_name, y.dtype, want_y.dtype, dx.dtype)
     assert (mean.dtype, var.dtype) == (want_upd["batch_stats"]["mean"].dtype, want_upd["batch_stats"]["var"].dtype)
     if axis_name:  # every device holds the same statistics
@@ -652,15 +660,19 @@ def wide_input_oracle(x, rounded, scale, bias, dy, d_mean, d_var):
     import jax
 
     with jax.enable_x64(True):
-        def f(x, scale, bias):
+        def f(x, scale, bias, rounded):
             seen = x + jax.lax.stop_gradient(rounded - x)
             mean = seen.mean(0)
             var = ((seen - mean) ** 2).mean(0)
             return (x - mean) * jax.lax.rsqrt(var) * scale + bias, mean, var
 
-        args = [jax.numpy.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias)]
-        out, pullback = jax.vjp(f, *args)
-        grads = pullback(tuple(jax.numpy.asarray(np.asarray(c, np.float64)) for c in (dy, d_mean, d_var)))
+        @jax.jit  # one program, not one per operation
+        def run(args, rounded, cotangents):
+            out, pullback = jax.vjp(lambda *a: f(*a, rounded), *args)
+            return out, pullback(cotangents)
+
+        f64 = lambda a: jax.numpy.asarray(np.asarray(a, np.float64))
+        out, grads = run([f64(a) for a in (x, scale, bias)], f64(rounded), tuple(f64(c) for c in (dy, d_mean, d_var)))
         return [np.asarray(o) for o in out], [np.asarray(g) for g in grads]
 
 
@@ -891,8 +903,11 @@ def complex_input_real_statistics_follows_flax():
                 return y, upd["batch_stats"]["mean"], upd["batch_stats"]["var"]
 
             if axis_name is None:
-                out, pullback = jax.vjp(step, x, v["params"])
-                return out, pullback((dy, d_stats["mean"], d_stats["var"]))
+                @jax.jit
+                def run(x, params, cts):
+                    out, pullback = jax.vjp(step, x, params)
+                    return out, pullback(cts)
+                return run(x, v["params"], (dy, d_stats["mean"], d_stats["var"]))
             halves = x.reshape(DEVICES, -1, 3)
             mapped = jax.pmap(step, axis_name=AXIS, in_axes=(0, None), devices=jax.devices()[:DEVICES])
             (y, mean, var), pullback = jax.vjp(mapped, halves, v["params"])
@@ -1060,11 +1075,11 @@ def flax_transforms_and_tools():
 
     x = sample("float32", (5, 4, 2), 12)
     flat = MlpBn()
-    variables = flat.init(jax.random.PRNGKey(0), x[0])
+    variables = jax.jit(flat.init)(jax.random.PRNGKey(0), x[0])  # jitted: one program, not one per operation
     grouped = nn.vmap(MlpBn, in_axes=(0,), variable_axes={"params": None, "batch_stats": None},
                       split_rngs={"params": False}, axis_name="batch")(axis_name="batch")
-    y1 = flat.apply(variables, x.reshape(20, 2), mutable=["batch_stats"])[0].reshape(5, 4, 3)
-    y2 = grouped.apply(variables, x, mutable=["batch_stats"])[0]
+    y1 = jax.jit(lambda v, x: flat.apply(v, x, mutable=["batch_stats"])[0])(variables, x.reshape(20, 2)).reshape(5, 4, 3)
+    y2 = jax.jit(lambda v, x: grouped.apply(v, x, mutable=["batch_stats"])[0])(variables, x)
     info["vmap axis_name"] = assert_close("vmap", y2, y1, 1e-5)
 
     # nnx ensemble: BatchStat per member (axis 0), everything else shared
@@ -1148,8 +1163,8 @@ def flax_transforms_and_tools():
             return self.norm(x, update_stats=True)
 
     x = sample("float32", (10, 5), 16)
-    v = Spectral().init(jax.random.PRNGKey(1), x)
-    y_linen, _ = Spectral().apply(v, x, mutable=["batch_stats"])
+    v = jax.jit(Spectral().init)(jax.random.PRNGKey(1), x)
+    y_linen, _ = jax.jit(lambda v, x: Spectral().apply(v, x, mutable=["batch_stats"]))(v, x)
     seq = nnx.Sequential(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), nnx.relu,
                          snnx.BatchNorm(4, use_running_average=False, rngs=nnx.Rngs(0)))
     seq.layers[0].kernel[...] = v["params"]["seq"]["layers_0"]["kernel"]

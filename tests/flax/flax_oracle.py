@@ -7,6 +7,8 @@ defines batch norm for them, and ``jax.vjp`` gives JAX's complex cotangents."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -29,22 +31,36 @@ def reference(x, scale, bias, mask, feature_axis, eps):
 
 def reference_vjp(x, scale, bias, mask, feature_axis, eps, momentum, ra_mean, ra_var, cotangents):
     """Reference outputs ``(y, new_ra_mean, new_ra_var)`` and the gradients of
-    ``(x, scale, bias)`` for the given cotangents of those outputs, all float64 numpy."""
+    ``(x, scale, bias)`` for the given cotangents of those outputs, all float64 numpy.
+    One compiled program per shapes and settings (:func:`_jitted_vjp`), not one per
+    ``jax.numpy`` operation: the checks call it for many shapes."""
     import jax
     import jax.numpy as jnp
 
     with jax.enable_x64(True):
         f64 = lambda a: jnp.asarray(np.asarray(a, np.complex128 if np.iscomplexobj(a) else np.float64))
         mask_ = None if mask is None else jnp.asarray(np.asarray(mask, bool))
-
-        def f(x, scale, bias):
-            y, mean, var = reference(x, scale, bias, mask_, feature_axis, eps)
-            return (y, momentum * f64(ra_mean) + (1 - momentum) * mean,
-                    momentum * f64(ra_var) + (1 - momentum) * var)
-
-        out, pullback = jax.vjp(f, f64(x), f64(scale), f64(bias))
-        grads = pullback(tuple(f64(c) for c in cotangents))
+        out, grads = _jitted_vjp()(f64(x), f64(scale), f64(bias), mask_, f64(ra_mean), f64(ra_var),
+                                   tuple(f64(c) for c in cotangents), feature_axis=feature_axis, eps=eps,
+                                   momentum=momentum)
         return [np.asarray(o) for o in out], [np.asarray(g) for g in grads]
+
+
+@functools.cache
+def _jitted_vjp():
+    """:func:`reference_vjp`'s computation under ``jax.jit`` (the settings static): made
+    once, so that calls of the same shapes and settings reuse one compiled program."""
+    import jax
+
+    def run(x, scale, bias, mask, ra_mean, ra_var, cotangents, feature_axis, eps, momentum):
+        def f(x, scale, bias):
+            y, mean, var = reference(x, scale, bias, mask, feature_axis, eps)
+            return y, momentum * ra_mean + (1 - momentum) * mean, momentum * ra_var + (1 - momentum) * var
+
+        out, pullback = jax.vjp(f, x, scale, bias)
+        return out, pullback(cotangents)
+
+    return jax.jit(run, static_argnames=("feature_axis", "eps", "momentum"))
 
 
 def assert_close(name, got, want, tol):
