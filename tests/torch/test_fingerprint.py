@@ -151,16 +151,16 @@ def test_swapped_layers_raise_on_both_ranks_naming_both(pool, kind):
     # W = 2: each rank names its own layer and the other's, so the messages are the same
     assert results[0]["result"] == results[1]["result"]
     message = results[0]["result"][1]
-    assert "rank 0 called layer '0' (8 features), call 0" in message
-    assert "rank 1 called layer '1' (8 features), call 0" in message
+    assert "rank 0 called layer 'Sequential/0' (8 features), call 0" in message
+    assert "rank 1 called layer 'Sequential/1' (8 features), call 0" in message
     assert all(r["collectives"] == ["all_reduce"] for r in results)  # the first call raised
 
 
 def test_skipped_layer_of_the_same_width_raises_on_every_rank(pool):
     results = pool.run(order_job, 3, [[0, 1, 2], [0, 2], [0, 1, 2]], None)[:3]
     assert_same_error_everywhere(results, "forward", ["0.running_mean", "0.running_var"])
-    assert "rank 1 (this rank) called layer '2' (8 features), call 1" in results[1]["result"][1]
-    assert "rank 0 (this rank) called layer '1' (8 features), call 1" in results[0]["result"][1]
+    assert "rank 1 (this rank) called layer 'Sequential/2' (8 features), call 1" in results[1]["result"][1]
+    assert "rank 0 (this rank) called layer 'Sequential/1' (8 features), call 1" in results[0]["result"][1]
 
 
 def test_agreeing_ranks_still_train(pool):
@@ -236,7 +236,7 @@ def test_backward_in_another_order_raises_on_both_ranks(pool, immediate):
     assert results[0] == results[1]
     name, message = results[0]
     assert name == "LayerMismatchError" and "(backward)" in message
-    assert "rank 0 called layer '0'" in message and "rank 1 called layer '1'" in message
+    assert "rank 0 called layer 'Sequential/0'" in message and "rank 1 called layer 'Sequential/1'" in message
 
 
 def functional_job():
@@ -306,8 +306,8 @@ def test_a_subgroup_names_its_ranks_by_their_global_ranks(pool, immediate):
     assert results[1] == results[3] and results[1][0] == "LayerMismatchError", results
     message = results[1][1]
     # group ranks 0 and 1 are the processes users know as ranks 1 and 3
-    assert "rank 1 called layer '0' (8 features), call 0" in message
-    assert "rank 3 called layer '1' (8 features), call 0" in message
+    assert "rank 1 called layer 'Sequential/0' (8 features), call 0" in message
+    assert "rank 3 called layer 'Sequential/1' (8 features), call 0" in message
 
 
 def no_grad_extra_job():
@@ -344,6 +344,88 @@ def test_a_no_grad_forward_on_one_rank_is_named_at_once(pool):
     results = pool.run(no_grad_extra_job, timeout=120)[:2]
     assert results[0] == results[1] and results[0][0] == "LayerMismatchError", results
     message = results[0][1]
-    assert "rank 0 called layer '0' (8 features), call 0 of the step;" in message
-    assert "rank 1 called layer '0' (8 features), call 0 of the step, recording autograd" in message
+    assert "rank 0 called layer 'Sequential/0' (8 features), call 0 of the step;" in message
+    assert "rank 1 called layer 'Sequential/0' (8 features), call 0 of the step, recording autograd" in message
     assert "only one rank records it for a backward pass" in message
+
+
+# ---- layers of separately converted models ---------------------------------------------
+
+
+class Generator(nn.Sequential):
+    pass
+
+
+class Discriminator(nn.Sequential):
+    pass
+
+
+def two_models(named):
+    """Two models converted on their own whose layers have the same paths and widths
+    ('0', 8 features): of two classes, or two plain nn.Sequential given names."""
+    torch.manual_seed(0)
+    if named:
+        first = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))
+        second = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))
+        syncbn.name_layers(first, model="generator")
+        syncbn.name_layers(second, model="discriminator")
+        return first, second
+    return (syncbn.convert_sync_batchnorm(Generator(nn.BatchNorm2d(8))),
+            syncbn.convert_sync_batchnorm(Discriminator(nn.BatchNorm2d(8))))
+
+
+def test_separately_converted_models_name_their_layers_apart():
+    generator, discriminator = two_models(False)
+    assert fingerprint.layer_name(generator[0]) == "Generator/0"
+    assert fingerprint.layer_name(discriminator[0]) == "Discriminator/0"
+    assert generator[0]._syncbn_name == "0"  # the path alone, as other messages print it
+    named = two_models(True)
+    assert [fingerprint.layer_name(m[0]) for m in named] == ["generator/0", "discriminator/0"]
+    layer = syncbn.convert_sync_batchnorm(nn.BatchNorm2d(8))  # the root is the layer: its class name
+    assert fingerprint.layer_name(layer) == "SyncBatchNorm"
+
+
+def two_models_job(named):
+    """Rank 0 runs the first model, then the second; rank 1 the other way round (a
+    data-dependent branch). Each model's one layer is the step's first call on its rank,
+    so the call index cannot tell them apart: only the model in the identity can."""
+    group = group_of(2)
+    fingerprint.reset()
+    if not in_group(2):
+        return None
+    try:
+        models = two_models(named)
+        for model in models:
+            on_group(model, group)
+        before = [buffers(m) for m in models]
+        rank = dist.get_rank()
+        x = torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        order = models if rank == 0 else models[::-1]
+        try:
+            for model in order:
+                model(x).backward(torch.randn(3, 8, 4, 4, generator=torch.Generator().manual_seed(7 + rank)))
+            result = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            result = (type(exc).__name__, str(exc))
+        moved = [sorted(k for k in b if not torch.equal(b[k], a[k]) and "num_batches" not in k)
+                 for b, a in zip(before, [buffers(m) for m in models])]
+        return result, moved
+    finally:
+        fingerprint.reset()
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["classes", "names"])
+def test_two_models_called_in_opposite_orders_raise_on_both_ranks(pool, named):
+    """Without the model in the identity both ranks' first calls carry '0' with 8
+    features at call 0: the generator's statistics were mixed with the discriminator's
+    and the step completed on both ranks."""
+    results = pool.run(two_models_job, named, timeout=120)[:2]
+    assert results[0] == results[1], results
+    result, moved = results[0]
+    assert result != "ok", "the two models' calls were paired and mixed without an error"
+    name, message = result
+    assert name == "LayerMismatchError", message
+    first, second = ("generator", "discriminator") if named else ("Generator", "Discriminator")
+    assert f"rank 0 called layer '{first}/0' (8 features), call 0 of the step" in message
+    assert f"rank 1 called layer '{second}/0' (8 features), call 0 of the step" in message
+    assert moved == [[], []]  # neither model's running statistics took the mixed ones

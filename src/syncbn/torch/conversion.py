@@ -1213,14 +1213,23 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
     return module
 
 
-def name_layers(root: nn.Module) -> None:
-    """Record every synchronized layer's qualified name in ``root`` for the fingerprint
-    (see :mod:`syncbn.torch.fingerprint`). :func:`convert_sync_batchnorm` and
-    :func:`fuse_batchnorm_act` call it; call it yourself for a model built with syncbn's
-    layers directly."""
+def name_layers(root: nn.Module, model: Optional[str] = None) -> None:
+    """Record every synchronized layer's qualified name in ``root``, after the name of the
+    model, for the fingerprint (see :mod:`syncbn.torch.fingerprint`): ``Generator/1``.
+    ``model``: the model's name, by default the class name of ``root``
+    (``type(root).__qualname__``), the same on every rank. Layers of two models converted
+    separately differ in the fingerprint even where their paths and widths are the same;
+    name two models of one class apart (two ``nn.Sequential``: ``model="generator"``).
+    :func:`convert_sync_batchnorm` and :func:`fuse_batchnorm_act` call it (with the class
+    name); call it yourself for a model built with syncbn's layers directly, or after
+    converting to give the model a name of your own."""
+    label = type(root).__qualname__ if model is None else str(model)
     for name, module in root.named_modules():
         if isinstance(module, _SyncNormBase):
-            fingerprint.set_layer_name(module, name or type(module).__name__)
+            if name:
+                fingerprint.set_layer_name(module, name, label)
+            else:  # ``root`` is the layer itself: its class name (or the model's name given)
+                fingerprint.set_layer_name(module, type(module).__name__ if model is None else label)
 
 
 def _convert_classmethod(cls, module: nn.Module, process_group=None) -> nn.Module:

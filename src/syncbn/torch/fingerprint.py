@@ -16,12 +16,19 @@ rank raises at the second.)
 What is fingerprinted (a :class:`Tag`, two integers):
 
 - the layer's identity: a 24-bit CRC-32 of its name and ``num_features``. The name is
-  the qualified module name that :func:`name_layers` records (``convert_sync_batchnorm``
-  and ``fuse_batchnorm_act`` call it; call ``syncbn.name_layers(model)`` for a model
-  built with syncbn's layers directly), else the class name, or the ``name`` given to
-  the functional form. (Not a count of layers constructed: a rank that builds an extra
-  model, for evaluation say, would then disagree with the others about every name.)
-  Unnamed layers of one class and width are told apart by the call index alone;
+  ``model/path`` as :func:`name_layers` records it (``convert_sync_batchnorm`` and
+  ``fuse_batchnorm_act`` call it; call ``syncbn.name_layers(model)`` for a model built
+  with syncbn's layers directly): the qualified module name of the layer in the root it
+  was called on, after the root's class name (its ``__qualname__``, or the ``model``
+  given to it), so that two models converted separately (a GAN's ``Generator/1`` and
+  ``Discriminator/1``, a teacher and a student) differ even where their layers' paths and
+  widths are the same; else the class name, or the ``name`` given to the functional form.
+  (Not a count of layers or models constructed, nor an id: a rank that builds an extra
+  model, for evaluation say, would then disagree with the others about every name. The
+  class's module is left out, since a script's classes are ``__main__.X`` in one process
+  and ``__mp_main__.X`` in the processes ``multiprocessing`` spawns.) Two roots of one
+  class (two ``nn.Sequential``) are told apart by ``name_layers(root, model=...)``, else
+  like unnamed layers of one class and width, by the call index alone;
 - whether the call records an autograd graph (grad mode on, and the input or an affine
   parameter requires grad): a rank whose call records none makes no backward collective
   for it, so a training-mode forward under ``torch.no_grad`` on one rank alone (beside
@@ -121,18 +128,23 @@ STEP_CHECK = "syncbn.check_agreement"
 # ---- names ---------------------------------------------------------------------------
 
 def layer_name(layer) -> str:
-    """``layer``'s name in the fingerprint: the qualified name :func:`syncbn.name_layers`
-    recorded, else its class name."""
+    """``layer``'s name in the fingerprint: ``model/path``, the model and qualified name
+    :func:`syncbn.name_layers` recorded (``Generator/1``), else its class name."""
     name = getattr(layer, "_syncbn_name", None)
-    return name if name is not None else type(layer).__name__
+    if name is None:
+        return type(layer).__name__
+    model = getattr(layer, "_syncbn_model", None)
+    return name if model is None else f"{model}/{name}"
 
 
-def set_layer_name(layer, name: str) -> None:
-    """Make ``name`` ``layer``'s name in the fingerprint (what :func:`syncbn.name_layers`
-    records for each synchronized layer of a model)."""
+def set_layer_name(layer, name: str, model: Optional[str] = None) -> None:
+    """Make ``name`` ``layer``'s name in the fingerprint, in the model ``model`` (None:
+    none), what :func:`syncbn.name_layers` records for each synchronized layer of a model:
+    its qualified name in the model, and the model's class name."""
     object.__setattr__(layer, "_syncbn_name", name)
+    object.__setattr__(layer, "_syncbn_model", model)
     object.__setattr__(layer, "_syncbn_ident", None)
-    _remember(name, layer.num_features)
+    _remember(layer_name(layer), layer.num_features)
 
 
 def _layer_ident(layer) -> int:
