@@ -341,11 +341,87 @@ class SlottedBatchNorm(nn.BatchNorm2d):
 
 def test_a_subclass_with_slots_falls_back_with_a_warning():
     """``__slots__`` change the instance layout (and conversion carries only the instance
-    dictionary): such a class is not given back, but named in a warning."""
-    synced = syncbn.convert_sync_batchnorm(nn.Sequential(SlottedBatchNorm(3)), strict=True)
+    dictionary): such a class is not given back, but named in a warning. Conversion keeps
+    such layers local now; a layer recorded as converted from one (by an earlier syncbn)
+    still reverts."""
+    synced = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), strict=True)
+    synced[0]._syncbn_origin = SlottedBatchNorm
     with pytest.warns(UserWarning, match=r"1 x .*SlottedBatchNorm as BatchNorm2d \(SlottedBatchNorm declares __slots__"):
         back = syncbn.revert_sync_batchnorm(synced)
     assert type(back[0]) is nn.BatchNorm2d
+
+
+def test_a_subclass_with_slots_stays_local_and_is_not_fused():
+    """Conversion moves the instance ``__dict__``; a slot's value lives outside it, so a
+    synchronized layer would come without it (and revert would not bring it back). The
+    layer stays as it is, named with the fix; strict raises before anything changes; fusion
+    leaves the pair alone likewise."""
+    model = nn.Sequential(nn.BatchNorm2d(3), SlottedBatchNorm(3))
+    model[1].note = "kept"
+    fix = r"SlottedBatchNorm declares __slots__, whose values conversion cannot carry .*drop __slots__"
+    with pytest.raises(ValueError, match=r"left 1 of 2 BatchNorm layers local .*1 x test_conversion\.SlottedBatch"
+                                         r"Norm \(" + fix + ", or teach the converter with syncbn.register_conv"):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+    assert type(model[0]) is nn.BatchNorm2d  # nothing changed
+    with pytest.warns(UserWarning, match=r"left 1 of 2 BatchNorm layers local .*" + fix):
+        out = syncbn.convert_sync_batchnorm(model)
+    assert isinstance(out[0], syncbn.SyncBatchNorm)
+    assert type(out[1]) is SlottedBatchNorm and out[1].note == "kept"
+    pair = nn.Sequential(nn.Conv2d(3, 3, 1), SlottedBatchNorm(3), nn.LeakyReLU(0.1))
+    with pytest.warns(UserWarning, match=r"left these batch norms unfused: 1 \(" + fix):
+        fused = syncbn.fuse_batchnorm_act(pair)
+    assert type(fused[1]) is SlottedBatchNorm and type(fused[2]) is nn.LeakyReLU
+
+
+class _Carrying(nn.BatchNorm2d):
+    """A plain batch norm whose ``__init__`` sets one attribute named like one of syncbn's."""
+
+    def __init__(self, num_features, name, value):
+        super().__init__(num_features)
+        setattr(self, name, value)
+
+
+@pytest.mark.parametrize("name", ["inplace", "activation", "activation_param", "process_group"])
+def test_an_attribute_named_like_syncbns_own_keeps_the_layer_local(name):
+    """syncbn's layers set ``process_group``, ``activation``, ``activation_param`` and
+    ``inplace`` themselves; a user's attribute of that name on a plain batch norm used to be
+    dropped at conversion (the converted layer held syncbn's value, or none, and revert gave
+    the layer back without it). It stays local now, named with the fix, and is not fused."""
+    value = object()  # no value syncbn would set
+    model = nn.Sequential(nn.BatchNorm2d(3), _Carrying(3, name, value))
+    fix = rf"1: its attribute {name} would be lost: syncbn's layers set this name themselves.*rename it"
+    with pytest.raises(ValueError, match=r"left 1 of 2 BatchNorm layers local .*test_conversion\._Carrying \(" + fix):
+        syncbn.convert_sync_batchnorm(model, strict=True)
+    assert type(model[0]) is nn.BatchNorm2d  # nothing changed
+    with pytest.warns(UserWarning, match=r"left 1 of 2 BatchNorm layers local .*" + fix):
+        out = syncbn.convert_sync_batchnorm(model)
+    assert isinstance(out[0], syncbn.SyncBatchNorm)
+    assert type(out[1]) is _Carrying and getattr(out[1], name) is value
+    back = syncbn.revert_sync_batchnorm(out)
+    assert type(back[1]) is _Carrying and getattr(back[1], name) is value
+    pair = nn.Sequential(nn.Conv2d(3, 3, 1), _Carrying(3, name, value), nn.LeakyReLU(0.1))
+    with pytest.warns(UserWarning, match=rf"left these batch norms unfused: 1 \(its attribute {name} would be lost"):
+        fused = syncbn.fuse_batchnorm_act(pair)
+    assert type(fused[1]) is _Carrying and getattr(fused[1], name) is value
+
+
+def test_the_attributes_a_batchnorm_sets_itself_still_convert():
+    """Not refused: ``process_group`` on torch's SyncBatchNorm (its own, taken over) and on
+    a syncbn layer fused or converted again, and a lazy layer's own attributes."""
+    lazy = nn.LazyBatchNorm2d()
+    lazy(torch.randn(2, 3, 2, 2))
+    model = nn.Sequential(nn.SyncBatchNorm(3), TorchSyncSubclass(3), syncbn.SyncBatchNorm(3), lazy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        synced = syncbn.convert_sync_batchnorm(model, strict=True)
+        assert all(isinstance(m, syncbn.SyncBatchNorm) for m in synced)
+        again = syncbn.convert_sync_batchnorm(syncbn.revert_sync_batchnorm(synced), strict=True)
+        assert all(isinstance(m, syncbn.SyncBatchNorm) for m in again)
+        fused = syncbn.fuse_batchnorm_act(nn.Sequential(nn.Conv2d(3, 3, 1), syncbn.SyncBatchNorm(3), nn.ELU()))
+        assert isinstance(fused[1], syncbn.SyncBatchNormAct)
+        back = syncbn.revert_sync_batchnorm(fused)
+        assert "activation" not in back[1].__dict__ and "inplace" not in back[1].__dict__
+        assert isinstance(syncbn.convert_sync_batchnorm(back, strict=True)[1], syncbn.SyncBatchNorm)
 
 
 def test_uninitialized_lazy_batchnorm_is_left_with_a_warning():

@@ -194,6 +194,64 @@ def _own_attribute_names() -> set:
 _STANDARD_ATTRIBUTES: set = set()
 
 
+def _attributes_set_by(cls: type) -> set:
+    """The instance attributes that a ``cls`` layer (one of :data:`_SELF_SET`) sets itself."""
+    if cls not in _SELF_SET:
+        _SELF_SET[cls] = set(cls(1, device="meta").__dict__)
+    return _SELF_SET[cls]
+
+
+# class -> the instance attributes its layers set themselves (filled on first use)
+_SELF_SET: dict = {}
+
+
+def _foreign_attributes(m: nn.Module) -> list:
+    """The attributes on the instance ``m`` that :func:`_carry` never moves because one of
+    syncbn's or torch's batch norms sets them itself, but that ``m``'s own batch norm class
+    does not set (a user's ``inplace`` flag or ``process_group`` on a ``BatchNorm2d``
+    subclass): moved into a synchronized layer, syncbn's value would take their place, and
+    revert would give the layer back without them. ``process_group`` is a
+    ``torch.nn.SyncBatchNorm``'s own (and a syncbn layer's), ``activation``, ``inplace``, ...
+    a :class:`SyncBatchNormAct`'s."""
+    own = set(_attributes_set_by(nn.BatchNorm2d))
+    for cls in (nn.SyncBatchNorm, SyncBatchNorm, SyncBatchNormAct):
+        if isinstance(m, (_SyncNormBase if cls is SyncBatchNorm else cls)):
+            own |= _attributes_set_by(cls)
+    standard = _own_attribute_names()
+    return sorted(name for name in m.__dict__ if name in standard and name not in own)
+
+
+def _slotted(cls: type) -> str | None:
+    """The classes (``A, B``) between ``cls`` and the torch batch norm it derives from that
+    declare ``__slots__`` (``cls`` itself where only its instance size tells), or None. A
+    slot's value lives outside the instance ``__dict__``, the only place conversion and
+    revert carry attributes from."""
+    base = next(c for c in cls.__mro__ if c in _BUILT_BN)
+    slotted = [c.__qualname__ for c in cls.__mro__[:cls.__mro__.index(base)] if vars(c).get("__slots__")]
+    if slotted or cls.__basicsize__ != base.__basicsize__:
+        return ", ".join(slotted) or cls.__qualname__
+    return None
+
+
+def _not_carried(m: nn.Module, fix: str) -> str | None:
+    """Why a synchronized layer cannot hold all of the batch norm ``m``'s state (see
+    :func:`_slotted`, :func:`_foreign_attributes`), with ``fix`` for the fix beyond
+    renaming or dropping, or None."""
+    slotted = _slotted(_class_of(m))
+    if slotted is not None:
+        return (f"{slotted} declares __slots__, whose values conversion cannot carry (it moves the instance "
+                f"__dict__): drop __slots__{fix}")
+    foreign = _foreign_attributes(m)
+    if foreign:
+        return (f"its attribute{'s' * (len(foreign) > 1)} {', '.join(foreign)} would be lost: syncbn's layers set "
+                f"{'these names' if len(foreign) > 1 else 'this name'} themselves, with their own meaning; "
+                f"rename {'them' if len(foreign) > 1 else 'it'}{fix}")
+    return None
+
+
+_REGISTER_FIX = ", or teach the converter with syncbn.register_conversion"
+
+
 def _carried(name: str) -> bool:
     """Whether an instance attribute ``name`` that no batch norm sets in ``__init__`` moves
     to the new layer. Not torch's own bookkeeping, which ``nn.Module`` declares on the class
@@ -446,10 +504,15 @@ def _classify(m: nn.Module, name: str = ""):
         overridden = _overrides(m, _PLAIN_BN)
         if overridden:
             return f"it overrides {', '.join(overridden)}; teach the converter with syncbn.register_conversion"
+        slotted = _slotted(_class_of(m))
+        if slotted is not None:  # by class, as the overrides
+            return _not_carried(m, _REGISTER_FIX)
     # a registered conversion moves the layer's own tensors, and the converter its hooks
     # and attributes (_carry_registered), but not pruning or parametrizations: those stay
     # local too, as on a plain layer
     why = _why_not_movable(m, extra_tensors=not registered, hooks=False)
+    if why is None and not registered:  # a registered conversion carries its class's attributes itself
+        why = _not_carried(m, _REGISTER_FIX)
     if why is None and (shared := _lazy_hooks_shared(m)):
         why = (f"its {', '.join(shared)} hold other hooks beside its own shape-inference ones, "
                "which cannot move without them: run one forward before converting (torch then finishes the "
@@ -483,8 +546,12 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     ``load_state_dict``: then it converts) or not yet run and holding forward-pre or
     load_state_dict-pre hooks beside its own (they share one dictionary, which cannot
     move without them: run one forward first), a layer whose behaviour lives outside its
-    parameters and buffers: a pruned or parametrized weight; a batch norm inside
-    TorchScript code, ``torch.jit.script`` or ``trace``) stays local: a warning says
+    parameters and buffers: a pruned or parametrized weight; one holding an attribute
+    named like one that syncbn's layers set themselves, ``process_group``, ``activation``,
+    ``activation_param``, ``inplace`` (not a ``torch.nn.SyncBatchNorm``'s own group), or
+    whose class declares ``__slots__``: what conversion carries is the instance
+    ``__dict__``; a batch norm inside TorchScript code, ``torch.jit.script`` or
+    ``trace``) stays local: a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
     ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
     decision depends only on the model, so every rank raises alike).
@@ -684,13 +751,12 @@ def _not_restorable(origin) -> str | None:
         return ""
     if issubclass(origin, (nn.SyncBatchNorm, _SyncNormBase, LazyModuleMixin, torch.jit.ScriptModule)):
         return ""
-    base = next(c for c in origin.__mro__ if c in _BUILT_BN)
     overridden = _overridden(origin, _BUILT_BN)
     if overridden:
         return f"its class overrides {', '.join(overridden)}, which a plain batch norm does not"
-    slotted = [c.__qualname__ for c in origin.__mro__[:origin.__mro__.index(base)] if vars(c).get("__slots__")]
-    if slotted or origin.__basicsize__ != base.__basicsize__:
-        return f"{', '.join(slotted) or origin.__qualname__} declares __slots__, which conversion does not carry"
+    slotted = _slotted(origin)
+    if slotted is not None:
+        return f"{slotted} declares __slots__, which conversion does not carry"
     return None
 
 
@@ -1017,6 +1083,8 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
         if not _fusable_batchnorm(bn):
             reason = (f"it is {_LAZY_FIX}" if _lazy_unfinished(bn)
                       else f"its class overrides {', '.join(_overrides(bn, _PLAIN_BN + (SyncBatchNorm,)))}")
+        # attributes and __slots__ that the fused layer could not hold (see _not_carried)
+        reason = reason or _not_carried(bn, "")
         # hooks cannot move into the fused layer as they move into a SyncBatchNorm: a forward
         # or backward hook on the batch norm sees its output and gradient, the fused layer's
         # are the activation's (and a module's hook on the activation, likewise)
@@ -1103,8 +1171,9 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
     tracing proves the fusion computes what the model computed.
 
     Batch norms: ``torch.nn.BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and
-    :class:`syncbn.SyncBatchNorm` (not subclasses that override ``forward``, nor
-    uninitialized lazy ones). Activations: ``nn.LeakyReLU`` with a positive finite slope,
+    :class:`syncbn.SyncBatchNorm` (not subclasses that override ``forward`` or declare
+    ``__slots__``, nor layers holding an attribute named like one of the fused layer's,
+    nor uninitialized lazy ones). Activations: ``nn.LeakyReLU`` with a positive finite slope,
     ``nn.ELU`` with a positive finite alpha. ``nn.ReLU`` (and slope 0) is not invertible, and a
     batch norm followed by ``nn.Identity`` is never fused (nothing to save, and the next
     module may work in place on the output): those pairs stay as they are, as does
