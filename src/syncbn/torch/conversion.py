@@ -184,18 +184,12 @@ def _is_plain(module: nn.Module) -> bool:
 
 def _own_attribute_names() -> set:
     """The instance attributes that syncbn's and torch's batch norms set themselves."""
-    if not _STANDARD_ATTRIBUTES:
-        for layer in (nn.BatchNorm2d(1, device="meta"), SyncBatchNorm(1, device="meta"),
-                      SyncBatchNormAct(1, device="meta")):
-            _STANDARD_ATTRIBUTES.update(layer.__dict__)
-    return _STANDARD_ATTRIBUTES
-
-
-_STANDARD_ATTRIBUTES: set = set()
+    return set().union(*(_attributes_set_by(cls) for cls in (nn.BatchNorm2d, SyncBatchNorm, SyncBatchNormAct)))
 
 
 def _attributes_set_by(cls: type) -> set:
-    """The instance attributes that a ``cls`` layer (one of :data:`_SELF_SET`) sets itself."""
+    """The instance attributes that a ``cls`` layer (a batch norm built with one feature on
+    the meta device) sets itself; made once per class."""
     if cls not in _SELF_SET:
         _SELF_SET[cls] = set(cls(1, device="meta").__dict__)
     return _SELF_SET[cls]
@@ -214,8 +208,9 @@ def _foreign_attributes(m: nn.Module) -> list:
     ``torch.nn.SyncBatchNorm``'s own (and a syncbn layer's), ``activation``, ``inplace``, ...
     a :class:`SyncBatchNormAct`'s."""
     own = set(_attributes_set_by(nn.BatchNorm2d))
-    for cls in (nn.SyncBatchNorm, SyncBatchNorm, SyncBatchNormAct):
-        if isinstance(m, (_SyncNormBase if cls is SyncBatchNorm else cls)):
+    for kind, cls in ((nn.SyncBatchNorm, nn.SyncBatchNorm), (_SyncNormBase, SyncBatchNorm),
+                      (SyncBatchNormAct, SyncBatchNormAct)):
+        if isinstance(m, kind):
             own |= _attributes_set_by(cls)
     standard = _own_attribute_names()
     return sorted(name for name in m.__dict__ if name in standard and name not in own)
