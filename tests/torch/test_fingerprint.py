@@ -360,11 +360,25 @@ class Discriminator(nn.Sequential):
     pass
 
 
-def two_models(named):
+def of_module(module):
+    """A model class named ``Model`` as a module ``module`` would define it (a teacher's and
+    a student's, each in a file of its own)."""
+    return type("Model", (nn.Sequential,), {"__module__": module, "__qualname__": "Model"})
+
+
+# the labels of the models of two_models(kind), as the messages print them
+LABELS = {"classes": (f"{__name__}.Generator", f"{__name__}.Discriminator"),
+          "names": ("generator", "discriminator"), "modules": ("teacher.Model", "student.Model")}
+
+
+def two_models(kind):
     """Two models converted on their own whose layers have the same paths and widths
-    ('0', 8 features): of two classes, or two plain nn.Sequential given names."""
+    ('0', 8 features): of two classes, two plain nn.Sequential given names, or two
+    classes of one name from two modules."""
     torch.manual_seed(0)
-    if named:
+    if kind == "modules":
+        return tuple(syncbn.convert_sync_batchnorm(of_module(m)(nn.BatchNorm2d(8))) for m in ("teacher", "student"))
+    if kind == "names":
         first = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))
         second = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))
         syncbn.name_layers(first, model="generator")
@@ -374,18 +388,27 @@ def two_models(named):
             syncbn.convert_sync_batchnorm(Discriminator(nn.BatchNorm2d(8))))
 
 
-def test_separately_converted_models_name_their_layers_apart():
-    generator, discriminator = two_models(False)
-    assert fingerprint.layer_name(generator[0]) == "Generator/0"
-    assert fingerprint.layer_name(discriminator[0]) == "Discriminator/0"
-    assert generator[0]._syncbn_name == "0"  # the path alone, as other messages print it
-    named = two_models(True)
-    assert [fingerprint.layer_name(m[0]) for m in named] == ["generator/0", "discriminator/0"]
+@pytest.mark.parametrize("kind", LABELS)
+def test_separately_converted_models_name_their_layers_apart(kind):
+    models = two_models(kind)
+    assert [fingerprint.layer_name(m[0]) for m in models] == [f"{label}/0" for label in LABELS[kind]]
+    assert models[0][0]._syncbn_name == "0"  # the path alone, as other messages print it
+    idents = [fingerprint._layer_ident(m[0]) for m in models]
+    assert idents[0] != idents[1]
+
+
+def test_model_label_leaves_out_the_script_and_torch():
+    """A script's class is ``__main__.X`` in one process and ``__mp_main__.X`` in those that
+    multiprocessing spawns: one label on every rank. torch's containers keep their short name."""
+    labels = [fingerprint.layer_name(syncbn.convert_sync_batchnorm(of_module(m)(nn.BatchNorm2d(8)))[0])
+              for m in ("__main__", "__mp_main__")]
+    assert labels == ["Model/0", "Model/0"]
+    assert fingerprint.layer_name(syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))[0]) == "Sequential/0"
     layer = syncbn.convert_sync_batchnorm(nn.BatchNorm2d(8))  # the root is the layer: its class name
     assert fingerprint.layer_name(layer) == "SyncBatchNorm"
 
 
-def two_models_job(named):
+def two_models_job(kind):
     """Rank 0 runs the first model, then the second; rank 1 the other way round (a
     data-dependent branch). Each model's one layer is the step's first call on its rank,
     so the call index cannot tell them apart: only the model in the identity can."""
@@ -394,7 +417,7 @@ def two_models_job(named):
     if not in_group(2):
         return None
     try:
-        models = two_models(named)
+        models = two_models(kind)
         for model in models:
             on_group(model, group)
         before = [buffers(m) for m in models]
@@ -414,18 +437,18 @@ def two_models_job(named):
         fingerprint.reset()
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["classes", "names"])
-def test_two_models_called_in_opposite_orders_raise_on_both_ranks(pool, named):
+@pytest.mark.parametrize("kind", LABELS)
+def test_two_models_called_in_opposite_orders_raise_on_both_ranks(pool, kind):
     """Without the model in the identity both ranks' first calls carry '0' with 8
     features at call 0: the generator's statistics were mixed with the discriminator's
     and the step completed on both ranks."""
-    results = pool.run(two_models_job, named, timeout=120)[:2]
+    results = pool.run(two_models_job, kind, timeout=120)[:2]
     assert results[0] == results[1], results
     result, moved = results[0]
     assert result != "ok", "the two models' calls were paired and mixed without an error"
     name, message = result
     assert name == "LayerMismatchError", message
-    first, second = ("generator", "discriminator") if named else ("Generator", "Discriminator")
+    first, second = LABELS[kind]
     assert f"rank 0 called layer '{first}/0' (8 features), call 0 of the step" in message
     assert f"rank 1 called layer '{second}/0' (8 features), call 0 of the step" in message
     assert moved == [[], []]  # neither model's running statistics took the mixed ones

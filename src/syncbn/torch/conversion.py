@@ -1280,20 +1280,32 @@ def fuse_batchnorm_act(module: nn.Module, process_group=None, *, inplace: bool =
 def name_layers(root: nn.Module, model: Optional[str] = None) -> None:
     """Record every synchronized layer's qualified name in ``root``, after the name of the
     model, for the fingerprint (see :mod:`syncbn.torch.fingerprint`): ``Generator/1``.
-    ``model``: the model's name, by default the class name of ``root``
-    (``type(root).__qualname__``), the same on every rank. Layers of two models converted
+    ``model``: the model's name, by default the class of ``root`` (:func:`_model_label`:
+    ``Generator`` for a class of the script or of torch, ``teacher.Model`` for one
+    imported from ``teacher``), the same on every rank. Layers of two models converted
     separately differ in the fingerprint even where their paths and widths are the same;
     name two models of one class apart (two ``nn.Sequential``: ``model="generator"``).
-    :func:`convert_sync_batchnorm` and :func:`fuse_batchnorm_act` call it (with the class
-    name); call it yourself for a model built with syncbn's layers directly, or after
-    converting to give the model a name of your own."""
-    label = type(root).__qualname__ if model is None else str(model)
+    :func:`convert_sync_batchnorm` and :func:`fuse_batchnorm_act` call it (with the class);
+    call it yourself for a model built with syncbn's layers directly, or after converting
+    to give the model a name of your own."""
+    label = _model_label(type(root)) if model is None else str(model)
     for name, module in root.named_modules():
         if isinstance(module, _SyncNormBase):
             if name:
                 fingerprint.set_layer_name(module, name, label)
             else:  # ``root`` is the layer itself: its class name (or the model's name given)
                 fingerprint.set_layer_name(module, type(module).__name__ if model is None else label)
+
+
+def _model_label(cls: type) -> str:
+    """The name of a model of class ``cls`` in the fingerprint: its ``__qualname__`` after
+    its module (``teacher.Model`` and ``student.Model`` differ), without the module for a
+    class of the script, which is ``__main__`` in one process and ``__mp_main__`` in those
+    ``multiprocessing`` spawns, and for torch's own (``Sequential``)."""
+    module = getattr(cls, "__module__", None) or ""
+    if module in ("__main__", "__mp_main__", "builtins") or module == "torch" or module.startswith("torch."):
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
 
 
 def _convert_classmethod(cls, module: nn.Module, process_group=None) -> nn.Module:

@@ -19,16 +19,18 @@ What is fingerprinted (a :class:`Tag`, two integers):
   ``model/path`` as :func:`name_layers` records it (``convert_sync_batchnorm`` and
   ``fuse_batchnorm_act`` call it; call ``syncbn.name_layers(model)`` for a model built
   with syncbn's layers directly): the qualified module name of the layer in the root it
-  was called on, after the root's class name (its ``__qualname__``, or the ``model``
-  given to it), so that two models converted separately (a GAN's ``Generator/1`` and
-  ``Discriminator/1``, a teacher and a student) differ even where their layers' paths and
-  widths are the same; else the class name, or the ``name`` given to the functional form.
-  (Not a count of layers or models constructed, nor an id: a rank that builds an extra
-  model, for evaluation say, would then disagree with the others about every name. The
-  class's module is left out, since a script's classes are ``__main__.X`` in one process
-  and ``__mp_main__.X`` in the processes ``multiprocessing`` spawns.) Two roots of one
-  class (two ``nn.Sequential``) are told apart by ``name_layers(root, model=...)``, else
-  like unnamed layers of one class and width, by the call index alone;
+  was called on, after the root's class (or the ``model`` given to it), so that two
+  models converted separately (a GAN's ``Generator/1`` and ``Discriminator/1``, a
+  teacher and a student, ``teacher.Model/1`` and ``student.Model/1``) differ even where
+  their layers' paths and widths are the same; else the layer's class name, or the
+  ``name`` given to the functional form. The root's class is its ``__qualname__`` after
+  its module, without the module for a class of the script (``__main__.X`` in one
+  process, ``__mp_main__.X`` in the processes ``multiprocessing`` spawns) or of torch
+  (``Sequential``). (Not a count of layers or models constructed, nor an id: a rank that
+  builds an extra model, for evaluation say, would then disagree with the others about
+  every name.) Two roots of one class (two ``nn.Sequential``) are told apart by
+  ``name_layers(root, model=...)``, else like unnamed layers of one class and width, by
+  the call index alone;
 - whether the call records an autograd graph (grad mode on, and the input or an affine
   parameter requires grad): a rank whose call records none makes no backward collective
   for it, so a training-mode forward under ``torch.no_grad`` on one rank alone (beside
@@ -129,7 +131,8 @@ STEP_CHECK = "syncbn.check_agreement"
 
 def layer_name(layer) -> str:
     """``layer``'s name in the fingerprint: ``model/path``, the model and qualified name
-    :func:`syncbn.name_layers` recorded (``Generator/1``), else its class name."""
+    :func:`syncbn.name_layers` recorded (``Generator/1``, ``teacher.Model/1``), else its
+    class name."""
     name = getattr(layer, "_syncbn_name", None)
     if name is None:
         return type(layer).__name__
@@ -140,7 +143,7 @@ def layer_name(layer) -> str:
 def set_layer_name(layer, name: str, model: Optional[str] = None) -> None:
     """Make ``name`` ``layer``'s name in the fingerprint, in the model ``model`` (None:
     none), what :func:`syncbn.name_layers` records for each synchronized layer of a model:
-    its qualified name in the model, and the model's class name."""
+    its qualified name in the model, and the model's class."""
     object.__setattr__(layer, "_syncbn_name", name)
     object.__setattr__(layer, "_syncbn_model", model)
     object.__setattr__(layer, "_syncbn_ident", None)
