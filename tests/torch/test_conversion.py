@@ -424,6 +424,137 @@ def test_the_attributes_a_batchnorm_sets_itself_still_convert():
         assert isinstance(syncbn.convert_sync_batchnorm(back, strict=True)[1], syncbn.SyncBatchNorm)
 
 
+class _SyncCarrying(syncbn.SyncBatchNorm):
+    """A user's synchronized layer (forward unchanged) whose ``__init__`` sets one attribute
+    named like one that syncbn's other layers set themselves."""
+
+    def __init__(self, num_features, name, value):
+        super().__init__(num_features)
+        setattr(self, name, value)
+
+
+class _SlottedSync(syncbn.SyncBatchNorm):
+    __slots__ = ("note",)
+
+
+class _SlottedSyncAct(syncbn.SyncBatchNormAct):
+    __slots__ = ("note",)
+
+
+def _revert_expecting(model, reason, layer="0"):
+    """Revert ``model``, whose ``layer`` must be left as it is with ``reason`` in the warning."""
+    with pytest.warns(UserWarning, match=rf"revert_sync_batchnorm left these layers as they are: {layer} \(" + reason):
+        return syncbn.revert_sync_batchnorm(model)
+
+
+@pytest.mark.parametrize("name", ["inplace", "activation", "activation_param"])
+def test_revert_leaves_a_synchronized_layer_whose_attribute_the_plain_layer_would_drop(name):
+    """A ``SyncBatchNorm`` subclass (built so, or a converted layer given the attribute
+    later) holding ``inplace``, ``activation`` or ``activation_param``, names only
+    ``SyncBatchNormAct`` sets itself: revert moved every other attribute to the plain layer
+    and these not, without a word. It stays synchronized now, its value on it, named with
+    the fix; the layers beside it still revert."""
+    value = object()
+    model = nn.Sequential(_SyncCarrying(3, name, value), syncbn.SyncBatchNorm(3))
+    back = _revert_expecting(model, rf"its attribute {name} would be lost: syncbn's layers set this name "
+                                    r"themselves, with their own meaning; rename it\)")
+    assert type(back[0]) is _SyncCarrying and back[0].__dict__[name] is value
+    assert type(back[1]) is BatchNormNd
+    converted = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), strict=True)
+    setattr(converted[0], name, value)
+    back = _revert_expecting(converted, rf"its attribute {name} would be lost: .*rename it, or revert it through a "
+                                        r"conversion registered for BatchNorm2d \(syncbn.register_conversion\) whose "
+                                        r"to_plain carries it\)")
+    assert type(back[0]) is syncbn.SyncBatchNorm and back[0].__dict__[name] is value
+
+
+@pytest.mark.parametrize("cls", [_SlottedSync, _SlottedSyncAct])
+def test_revert_leaves_a_synchronized_layer_whose_class_declares_slots(cls):
+    """A slot's value lives outside the instance ``__dict__``, which is all revert moves: a
+    ``SyncBatchNorm`` or ``SyncBatchNormAct`` subclass declaring ``__slots__`` came back
+    plain without it. It stays as it is now, with its value, named with the fix."""
+    layer = cls(3, activation="elu") if cls is _SlottedSyncAct else cls(3)
+    layer.note = "kept"
+    back = _revert_expecting(nn.Sequential(layer), cls.__qualname__ + r" declares __slots__, whose values conversion "
+                                                   r"cannot carry \(it moves the instance __dict__\): drop __slots__\)")
+    assert back[0] is layer and layer.note == "kept"
+
+
+@pytest.mark.parametrize("name", ["dump_patches", "_version"])
+def test_an_attribute_named_like_a_module_class_attribute_is_not_dropped(name):
+    """``_carry`` never moves a name ``nn.Module`` declares on its class (torch's bookkeeping,
+    such as ``compile()``'s ``_compiled_call_impl``), so a user's ``_version`` or
+    ``dump_patches`` set on the layer was lost by convert, fusion and revert (the new layer
+    held torch's class value). Each leaves such a layer as it is now, named with the fix;
+    a compiled layer still converts and reverts without a word."""
+    value = object()
+    reason = rf"its attribute {name} would be lost: torch.nn.Module declares this name on its class, .*rename it"
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3))
+    setattr(model[1], name, value)
+    with pytest.warns(UserWarning, match=r"left 1 of 2 BatchNorm layers local .*BatchNorm2d \(1: " + reason):
+        out = syncbn.convert_sync_batchnorm(model)
+    assert isinstance(out[0], syncbn.SyncBatchNorm) and type(out[1]) is nn.BatchNorm2d
+    assert out[1].__dict__[name] is value
+    pair = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.LeakyReLU(0.1))
+    setattr(pair[1], name, value)
+    with pytest.warns(UserWarning, match=r"left these batch norms unfused: 1 \(" + reason):
+        fused = syncbn.fuse_batchnorm_act(pair)
+    assert type(fused[1]) is nn.BatchNorm2d and fused[1].__dict__[name] is value
+    for layer in (syncbn.SyncBatchNorm(3), syncbn.SyncBatchNormAct(3, activation="elu")):
+        setattr(layer, name, value)
+        back = _revert_expecting(nn.Sequential(layer), reason)
+        assert back[0] is layer and layer.__dict__[name] is value
+    fused = syncbn.fuse_batchnorm_act(_stem())  # a fused layer and its placeholder stay together
+    setattr(fused[1], name, value)
+    back = _revert_expecting(fused, reason, layer="1")
+    assert type(back[1]) is syncbn.SyncBatchNormAct and type(back[2]) is not nn.LeakyReLU
+    compiled = nn.Sequential(nn.BatchNorm2d(3))
+    compiled[0].compile(backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        synced = syncbn.convert_sync_batchnorm(compiled, strict=True)
+        assert "_compiled_call_impl" not in synced[0].__dict__
+        synced[0].compile(backend="eager")
+        assert type(syncbn.revert_sync_batchnorm(synced)[0]) is nn.BatchNorm2d
+
+
+def test_a_registered_conversion_leaves_a_layer_whose_attribute_its_new_layer_would_not_hold():
+    """The converter carries a registered layer's attributes but never one named like
+    syncbn's own; a user's ``inplace`` on a layer of a registered class (or on the layer its
+    ``to_sync`` made) was lost when the new layer did not hold that name. Such a layer stays
+    as it is now (convert: local, ``strict=True`` raises), named with the fix; a name the
+    new layer holds is its conversion's to carry."""
+    from syncbn.torch.conversion import _CONVERSIONS, _move_state
+
+    def to_sync(layer, group):
+        return _move_state(layer, SyncBatchNormRelu(layer.num_features, process_group=group, device="meta"))
+
+    def to_plain(layer):
+        return _move_state(layer, BatchNormAct(layer.num_features, device="meta"))
+
+    syncbn.register_conversion(BatchNormAct, to_sync, to_plain)
+    try:
+        model = nn.Sequential(BatchNormAct(3), BatchNormAct(3))
+        model[1].inplace = True
+        reason = (r"1: its attribute inplace would be lost: syncbn's layers set this name themselves, with their own "
+                  r"meaning; rename it, or have to_sync set the same name on the layer it makes")
+        with pytest.raises(ValueError, match=r"left 1 of 2 BatchNorm layers local .*BatchNormAct \(" + reason):
+            syncbn.convert_sync_batchnorm(model, strict=True)
+        with pytest.warns(UserWarning, match=reason):
+            out = syncbn.convert_sync_batchnorm(model)
+        assert type(out[0]) is SyncBatchNormRelu and type(out[1]) is BatchNormAct and out[1].inplace is True
+        out[0].activation = "mine"
+        back = _revert_expecting(out, r"its attribute activation would be lost: .*rename it, or have to_plain set the "
+                                      r"same name on the layer it makes\)")
+        assert type(back[0]) is SyncBatchNormRelu and back[0].activation == "mine"
+        del out[0].activation
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert type(syncbn.revert_sync_batchnorm(out)[0]) is BatchNormAct
+    finally:
+        del _CONVERSIONS[BatchNormAct]
+
+
 def test_uninitialized_lazy_batchnorm_is_left_with_a_warning():
     model = nn.Sequential(nn.LazyBatchNorm2d())
     fix = "uninitialized lazy module: run one forward or load a state_dict holding its tensors first"

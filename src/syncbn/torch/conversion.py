@@ -199,21 +199,36 @@ def _attributes_set_by(cls: type) -> set:
 _SELF_SET: dict = {}
 
 
-def _foreign_attributes(m: nn.Module) -> list:
-    """The attributes on the instance ``m`` that :func:`_carry` never moves because one of
-    syncbn's or torch's batch norms sets them itself, but that ``m``'s own batch norm class
-    does not set (a user's ``inplace`` flag or ``process_group`` on a ``BatchNorm2d``
-    subclass): moved into a synchronized layer, syncbn's value would take their place, and
-    revert would give the layer back without them. ``process_group`` is a
-    ``torch.nn.SyncBatchNorm``'s own (and a syncbn layer's), ``activation``, ``inplace``, ...
-    a :class:`SyncBatchNormAct`'s."""
+def _foreign_attributes(m: nn.Module, made: nn.Module | None = None) -> list:
+    """The attributes on the instance ``m`` that :func:`_carry` never moves, but that ``m``'s
+    own batch norm class does not set: names that one of syncbn's or torch's batch norms
+    sets itself (a user's ``inplace`` flag or ``process_group`` on a ``BatchNorm2d``
+    subclass, an ``activation`` on a ``SyncBatchNorm`` subclass: moved into a synchronized
+    layer, syncbn's value would take their place, and revert would give the layer back
+    without them), and names that ``nn.Module`` declares on its class (a user's
+    ``dump_patches`` or ``_version``: the new layer holds torch's) other than torch's own
+    bookkeeping (:data:`_TORCH_BOOKKEEPING`) and its methods (a method set on the instance
+    is :func:`_why_not_movable`'s). ``process_group`` is a ``torch.nn.SyncBatchNorm``'s own
+    (and a syncbn layer's: the plain layer revert makes does not synchronize),
+    ``activation``, ``inplace``, ... a :class:`SyncBatchNormAct`'s (revert gives them to the
+    activation module). ``made``: the layer a registered conversion made of ``m``; the
+    names it holds itself are its conversion's to carry."""
     own = set(_attributes_set_by(nn.BatchNorm2d))
     for kind, cls in ((nn.SyncBatchNorm, nn.SyncBatchNorm), (_SyncNormBase, SyncBatchNorm),
                       (SyncBatchNormAct, SyncBatchNormAct)):
         if isinstance(m, kind):
             own |= _attributes_set_by(cls)
+    if made is not None:
+        own |= set(made.__dict__)
     standard = _own_attribute_names()
-    return sorted(name for name in m.__dict__ if name in standard and name not in own)
+    return sorted(name for name in m.__dict__ if name not in own and (name in standard or (
+        hasattr(nn.Module, name) and name not in _TORCH_BOOKKEEPING
+        and not inspect.isfunction(getattr(_BatchNorm, name, None)))))
+
+
+# what torch sets on a module instance after building it and that never moves to a new
+# layer: ``Module.compile()``'s compiled call of the old layer (see :func:`_carried`)
+_TORCH_BOOKKEEPING = ("_compiled_call_impl",)
 
 
 def _slotted(cls: type) -> str | None:
@@ -228,20 +243,30 @@ def _slotted(cls: type) -> str | None:
     return None
 
 
-def _not_carried(m: nn.Module, fix: str) -> str | None:
-    """Why a synchronized layer cannot hold all of the batch norm ``m``'s state (see
-    :func:`_slotted`, :func:`_foreign_attributes`), with ``fix`` for the fix beyond
-    renaming or dropping, or None."""
-    slotted = _slotted(_class_of(m))
+def _not_carried(m: nn.Module, fix: str, made: nn.Module | None = None) -> str | None:
+    """Why a layer made of the batch norm ``m`` (synchronized by convert or fusion, plain by
+    revert) cannot hold all of ``m``'s state (see :func:`_slotted`,
+    :func:`_foreign_attributes`), with ``fix`` for the fix beyond renaming or dropping, or
+    None. ``made``: the layer a registered conversion made of ``m``, which carries what its
+    class declares itself (``__slots__`` included)."""
+    slotted = None if made is not None else _slotted(_class_of(m))
     if slotted is not None:
         return (f"{slotted} declares __slots__, whose values conversion cannot carry (it moves the instance "
                 f"__dict__): drop __slots__{fix}")
-    foreign = _foreign_attributes(m)
-    if foreign:
-        return (f"its attribute{'s' * (len(foreign) > 1)} {', '.join(foreign)} would be lost: syncbn's layers set "
-                f"{'these names' if len(foreign) > 1 else 'this name'} themselves, with their own meaning; "
-                f"rename {'them' if len(foreign) > 1 else 'it'}{fix}")
-    return None
+    foreign = _foreign_attributes(m, made)
+    if not foreign:
+        return None
+    standard = _own_attribute_names()
+    groups = [[name for name in foreign if name in standard], [name for name in foreign if name not in standard]]
+    one = not all(groups)  # the names of one kind only: "this name", else each kind's names
+
+    def these(names):
+        return ("these names" if len(names) > 1 else "this name") if one else ", ".join(names)
+
+    owners = [f"syncbn's layers set {these(groups[0])} themselves"] if groups[0] else []
+    owners += [f"torch.nn.Module declares {these(groups[1])} on its class"] if groups[1] else []
+    return (f"its attribute{'s' * (len(foreign) > 1)} {', '.join(foreign)} would be lost: {' and '.join(owners)}, "
+            f"with their own meaning; rename {'them' if len(foreign) > 1 else 'it'}{fix}")
 
 
 _REGISTER_FIX = ", or teach the converter with syncbn.register_conversion"
@@ -341,15 +366,19 @@ def _hooks_clash(src: nn.Module, new: nn.Module) -> list:
     )
 
 
-def _clash_reason(src: nn.Module, new: nn.Module, step: str) -> str | None:
-    """Why the layer ``src``, which a registered conversion's ``step`` made ``new`` of,
-    stays as it is (see :func:`_hooks_clash`), or None."""
+def _registered_reason(src: nn.Module, new: nn.Module, step: str) -> str | None:
+    """Why the layer ``src``, which a registered conversion's ``step`` made ``new`` of, stays
+    as it is, or None: hooks that cannot move (see :func:`_hooks_clash`), or attributes
+    that :func:`_carry_registered` does not move and ``new`` does not hold (see
+    :func:`_foreign_attributes`: ``step`` carries what its class sets itself)."""
     clash = _hooks_clash(src, new)
-    if not clash:
+    if clash:
+        return (f"its {', '.join(clash)} cannot move to the layer {step} makes, which it hooks itself (the handles "
+                "of one set would no longer remove their hooks): remove these hooks before and register them on "
+                "the new layer after")
+    if not _carries(src, new):  # nothing moves: ``src`` stays in the model, or ``new`` holds it
         return None
-    return (f"its {', '.join(clash)} cannot move to the layer {step} makes, which it hooks itself (the handles of "
-            "one set would no longer remove their hooks): remove these hooks before and register them on the "
-            "new layer after")
+    return _not_carried(src, f", or have {step} set the same name on the layer it makes", made=new)
 
 
 def _carries(src: nn.Module, new: nn.Module) -> bool:
@@ -441,6 +470,11 @@ def register_conversion(
     keep both sets of handles working (a handle removes its hook from the dictionary it
     was registered in): the old layer stays as it is (convert: local, with the warning, or
     ``strict=True``'s error, which ``to_sync`` is called before; revert: with its warning).
+    So does one holding an attribute that the converter never moves (a name that syncbn's
+    layers set themselves, ``inplace``, ``activation``, ... or that ``torch.nn.Module``
+    declares on its class, ``_version``, ...) and that the new layer does not hold:
+    ``to_sync`` and ``to_plain`` carry their class's own state (its attributes of those
+    names, held by the layer they make under the same name, and its ``__slots__``).
 
     Only layers whose type is exactly ``cls`` are matched: a subclass may change what
     the layer computes, so it needs its own registration. Registering a class again
@@ -544,8 +578,11 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     parameters and buffers: a pruned or parametrized weight; one holding an attribute
     named like one that syncbn's layers set themselves, ``process_group``, ``activation``,
     ``activation_param``, ``inplace`` (not a ``torch.nn.SyncBatchNorm``'s own group), or
-    whose class declares ``__slots__``: what conversion carries is the instance
-    ``__dict__``; a batch norm inside TorchScript code, ``torch.jit.script`` or
+    like one that ``torch.nn.Module`` declares on its class (``dump_patches``,
+    ``_version``), or whose class declares ``__slots__``: what conversion carries is the
+    instance ``__dict__``, without those names; a layer of a registered class holding such
+    an attribute that the layer its ``to_sync`` made does not hold; a batch norm inside
+    TorchScript code, ``torch.jit.script`` or
     ``trace``) stays local: a warning says
     how many of the model's BatchNorm layers that leaves local, and which classes. With
     ``strict=True`` a ``ValueError`` is raised instead, before anything is changed (the
@@ -559,7 +596,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
         kind = _classify(m, name)
         if kind == "registered":  # made now, so that strict=True can refuse a clash before any change
             made[id(m)] = _CONVERSIONS[type(m)][0](m, process_group)
-            why = _clash_reason(m, made[id(m)], "to_sync")
+            why = _registered_reason(m, made[id(m)], "to_sync")
             if why is not None:
                 kind = f"{name or type(m).__name__}: {why}"
                 del made[id(m)]
@@ -627,6 +664,20 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     batch norm and activation it was made of, each in its old place (so the model's
     ``state_dict`` keys do not change); any other ``SyncBatchNormAct`` becomes
     ``nn.Sequential(BatchNorm, activation)`` (its keys gain a ``0.`` level).
+
+    A layer whose state the layer revert would make cannot hold is left as it is (still
+    synchronized), named in a warning with why and the fix: one holding an attribute named
+    like one that syncbn's layers set themselves and its own class does not (``inplace``,
+    ``activation``, ``activation_param`` on a ``SyncBatchNorm`` or your subclass of it) or
+    like one that ``torch.nn.Module`` declares on its class (``dump_patches``,
+    ``_version``; not torch's own bookkeeping, such as ``compile()``'s compiled call, which
+    never moves), none of which the converter moves; one whose class declares
+    ``__slots__`` (only the instance ``__dict__`` moves); after a registered ``to_plain``,
+    one holding such an attribute that the layer ``to_plain`` made does not hold. The fix:
+    rename the attribute or drop ``__slots__`` (or, for a converted layer, register a
+    conversion for the class it came from whose ``to_plain`` carries it). A pruned or
+    parametrized layer, and a hooked ``SyncBatchNormAct`` not made by a registered
+    conversion, are left as they are likewise.
     """
     return _revert(module, keep=())
 
@@ -652,6 +703,11 @@ def _revert(module: nn.Module, keep) -> nn.Module:
         return (isinstance(m, SyncBatchNorm) and _registered(m.__dict__.get("_syncbn_origin")) is None
                 and not _overridden(_class_of(m), (SyncBatchNorm,)))
 
+    def leave(m: nn.Module, why: str) -> nn.Module:  # ``m`` stays as it is, named in the warning
+        skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
+        restored.discard(id(m))  # a fused layer left keeps its activation's placeholder
+        return m
+
     def swap(m: nn.Module) -> nn.Module:
         if id(m) in kept:
             return m
@@ -664,20 +720,20 @@ def _revert(module: nn.Module, keep) -> nn.Module:
             held = isinstance(m, SyncBatchNormAct) and _registered(m.__dict__.get("_syncbn_origin")) is None
             why = _why_not_movable(m, hooks=held)
             if why is not None:
-                skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
-                restored.discard(id(m))
-                return m
+                return leave(m, why)
         if isinstance(m, _FusedActivation):
             return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
         conversion = _registered(m.__dict__.get("_syncbn_origin"))
         if conversion is not None:
             new = conversion[1](m)
-            why = _clash_reason(m, new, "to_plain")
+            why = _registered_reason(m, new, "to_plain")
             if why is not None:
-                skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
-                restored.discard(id(m))
-                return m
+                return leave(m, why)
             return _carry_registered(m, new)
+        if isinstance(m, SyncBatchNormAct) or plain(m):  # the plain layer holds what _carry moves
+            why = _not_carried(m, _revert_fix(m))
+            if why is not None:
+                return leave(m, why)
         if isinstance(m, SyncBatchNormAct):
             bn = _plain_batchnorm(m, fallbacks=fallbacks)
             if id(m) in restored:  # its activation comes back in its own place
@@ -702,6 +758,18 @@ def _revert(module: nn.Module, keep) -> nn.Module:
             stacklevel=2,
         )
     return result
+
+
+def _revert_fix(m: nn.Module) -> str:
+    """The fix, beyond renaming or dropping, for a layer whose state the plain layer of
+    revert cannot hold (see :func:`_not_carried`): a conversion registered for the class
+    it was converted from, whose ``to_plain`` carries that state (revert looks a
+    registration up by that class; a layer built synchronized has none)."""
+    origin = m.__dict__.get("_syncbn_origin")
+    if not isinstance(origin, type):
+        return ""
+    return (f", or revert it through a conversion registered for {origin.__qualname__} (syncbn.register_conversion) "
+            "whose to_plain carries it")
 
 
 def _plain_batchnorm(m: nn.Module, hooks: bool = False, fallbacks: Optional[list] = None) -> nn.Module:
