@@ -17,23 +17,10 @@ torchvision_shim.install()
 POOL_SIZE = 4
 
 
-def pytest_collection_modifyitems(items):
-    """The test modules whose checks run in worker suites (``keras_harness.Suite``) last,
-    in their order, the others first in theirs: the suites run beside the others."""
-    items[:] = sorted(items, key=keras_harness.uses_suites)  # stable: each group keeps its order
-
-
 def pytest_collection_finish(session):
-    """Plan the worker suites the selected tests use and start the first: while the pytest
-    process runs its own tests ``keras_harness.JOBS - 1`` run beside it, while it waits
-    for one, ``JOBS``."""
+    """Plan the worker suites (``keras_harness.Suite``) the selected tests use: while one
+    runs, the next may run beside it (``keras_harness.JOBS``)."""
     keras_harness.plan(session.items)
-    if not session.config.option.collectonly:
-        keras_harness.tick()
-
-
-def pytest_runtest_setup(item):
-    keras_harness.tick()  # the next planned suite, where one ended
 
 
 def pytest_sessionfinish(session):

@@ -171,9 +171,8 @@ def finish(procs, timeout):
 
 # A worker suite's process reads nothing from us and writes its output to a file (not a
 # pipe: a suite started ahead runs while nobody reads, and a full pipe would stop it).
-# At most JOBS suites run at once: JOBS - 1 beside the pytest process's own tests (started
-# as the session's tests start, see ``tick``; their results wait for the tests that use
-# them, which conftest.py runs last), JOBS while the pytest process waits for one.
+# At most JOBS suites run at once; suites are started only while the pytest process waits
+# for one (so while it runs its own tests at most one started ahead runs beside it).
 JOBS = max(1, int(os.environ.get("SYNCBN_TEST_SUITE_JOBS", "2")))
 _PLANNED: list = []  # suites the selected tests need, in the order they first need them
 
@@ -264,9 +263,9 @@ def _kill_group(proc):
         pass
 
 
-def _start_planned(awaited=None):
+def _start_planned(awaited):
     """Start planned suites, in order, while fewer than ``JOBS - 1`` run besides
-    ``awaited`` (None: while the pytest process runs tests of its own)."""
+    ``awaited``."""
     for suite in _PLANNED:
         if suite is awaited or suite.poll() or suite.running:
             continue
@@ -287,19 +286,6 @@ def plan(items):
             if id(suite) not in seen and suite.used_by(item):
                 seen.add(id(suite))
                 _PLANNED.append(suite)
-
-
-def tick():
-    """Collect the planned suites that ended and start the next ones beside the pytest
-    process's own work (conftest.py calls it as each test starts)."""
-    _start_planned()
-
-
-def uses_suites(item) -> bool:
-    """Whether ``item`` is in a test module that lists worker suites (``WORKER_SUITES``):
-    conftest.py runs these modules last, so that their suites run beside the tests
-    before them and have ended by the time their results are asked for."""
-    return bool(getattr(getattr(item, "module", None), "WORKER_SUITES", ()))
 
 
 def _skipped(item) -> bool:

@@ -83,38 +83,6 @@ def test_the_next_planned_suite_starts_while_one_is_awaited(script, planned, mon
     assert harness.assert_check(*third.results(), "quick")["pid"] > 0
 
 
-def test_a_planned_suite_runs_beside_the_sessions_own_tests(script, planned, monkeypatch):
-    """tick() (each test's start) keeps JOBS - 1 suites running beside the pytest process
-    and collects those that ended; with JOBS = 1 nothing runs beside it."""
-    monkeypatch.setattr(harness, "JOBS", 1)
-    first, second = suite(script, ["quick"]), suite(script, ["quick"])
-    planned.extend([first, second])
-    harness.tick()
-    assert first.proc is None
-    monkeypatch.setattr(harness, "JOBS", 2)
-    harness.tick()
-    assert first.proc is not None and second.proc is None, "tick started no suite, or more than JOBS - 1"
-    first.proc.wait(timeout=60)
-    harness.tick()
-    assert first.done is not None and second.proc is not None, "tick did not start the next one as one ended"
-    assert harness.assert_check(*first.results(), "quick")["pid"] != harness.assert_check(*second.results(),
-                                                                                           "quick")["pid"]
-
-
-def test_the_modules_with_worker_suites_run_last_in_their_order():
-    """conftest.py's reordering: the tests of modules listing worker suites after the
-    others, each group in its collected order."""
-    import types
-
-    import conftest
-
-    plain, with_suites = types.SimpleNamespace(), types.SimpleNamespace(WORKER_SUITES=[object()])
-    items = [types.SimpleNamespace(module=m, name=n) for m, n in
-             [(with_suites, "a"), (plain, "b"), (with_suites, "c"), (plain, "d"), (None, "e")]]
-    conftest.pytest_collection_modifyitems(items)
-    assert [item.name for item in items] == ["b", "d", "e", "a", "c"]
-
-
 def test_one_job_runs_the_suites_one_after_another(script, planned, monkeypatch):
     monkeypatch.setattr(harness, "JOBS", 1)
     first, second = suite(script, ["quick"]), suite(script, ["quick"])
