@@ -1370,8 +1370,8 @@ def _model_label(cls: type) -> str:
     its module (``teacher.Model`` and ``student.Model`` differ), without the module for a
     class of the script, which is ``__main__`` in one process and ``__mp_main__`` in those
     ``multiprocessing`` spawns, and for torch's own (``Sequential``)."""
-    module = getattr(cls, "__module__", None) or ""
-    if module in ("__main__", "__mp_main__", "builtins") or module == "torch" or module.startswith("torch."):
+    module = cls.__module__
+    if module in ("__main__", "__mp_main__") or module.partition(".")[0] == "torch":
         return cls.__qualname__
     return f"{module}.{cls.__qualname__}"
 
