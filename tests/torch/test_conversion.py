@@ -480,6 +480,85 @@ def test_revert_leaves_a_synchronized_layer_whose_class_declares_slots(cls):
     assert back[0] is layer and layer.note == "kept"
 
 
+class _DoublingSync(syncbn.SyncBatchNorm):
+    """A user's synchronized layer whose own forward adds work."""
+
+    def forward(self, input):
+        return super().forward(input) * 2
+
+
+class _FrozenSync(syncbn.SyncBatchNorm):
+    """A user's synchronized layer kept in eval mode (a frozen layer)."""
+
+    def train(self, mode=True):
+        return super().train(False)
+
+
+class _NothingOverriddenSync(syncbn.SyncBatchNorm):
+    def extra_repr(self):  # harmless: a plain batch norm keeps it too (it is not the class given back)
+        return "mine, " + super().extra_repr()
+
+
+def _leaving(cls, *methods):
+    """The reason revert gives for leaving a layer of ``cls``, which overrides ``methods``."""
+    return (rf"its class {cls.__qualname__} overrides {', '.join(methods)}, which a plain batch norm would drop, and "
+            r"revert has no plain class to give back for a class derived from SyncBatchNorm: replace this layer "
+            rf"yourself with a plain batch norm that does what {cls.__qualname__} adds\)")
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("cls, method", [(_DoublingSync, "forward"), (_FrozenSync, "train")])
+def test_revert_warns_about_a_synchronized_subclass_that_overrides_a_method(cls, method, training):
+    """A ``SyncBatchNorm`` subclass overriding ``forward`` (or ``train``) with no registered
+    conversion has no plain class to go back to, and a plain batch norm would drop what it
+    adds: revert left it synchronized without a word, though the user asked for a model
+    without synchronization. It stays as it is (the same object, its outputs unchanged),
+    named by its path in the warning with the method and the fix, in train and eval mode
+    alike; the layers beside it still revert (a model convert has been run on too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(nn.BatchNorm2d(3), cls(3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the subclass is synchronized already: convert says nothing
+        model = syncbn.convert_sync_batchnorm(model, strict=True)
+    layer = model[1][1]
+    _randomize_buffers(model)
+    model.train(training)
+    x = torch.randn(4, 3, 2, 2)
+    expected = model[1][1](model[1][0](model[0](x)))
+    back = _revert_expecting(model, _leaving(cls, method), layer=r"1\.1")
+    assert back[1][1] is layer and type(layer) is cls
+    assert type(back[1][0]) is nn.BatchNorm2d
+    torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+
+
+def test_revert_of_a_synchronized_subclass_that_overrides_nothing_says_nothing():
+    """A ``SyncBatchNorm`` subclass overriding only what a plain batch norm keeps (here
+    ``extra_repr``) reverts to a plain layer, as before, without a warning."""
+    layer = _NothingOverriddenSync(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = syncbn.revert_sync_batchnorm(nn.Sequential(layer))
+    assert type(back[0]) is BatchNormNd and back[0].weight is layer.weight
+
+
+def test_a_kept_synchronized_subclass_is_not_warned_about():
+    """The Lightning plugin reverts only what it converted (``_revert``'s ``keep``): a
+    subclass overriding ``forward`` that it keeps stays as it is with no warning, and a
+    plain batch norm that convert left local (its forward overridden) is nothing to revert."""
+    from syncbn.torch.conversion import _revert
+
+    layer = _DoublingSync(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = _revert(nn.Sequential(layer, syncbn.SyncBatchNorm(3)), keep=[layer])
+    assert back[0] is layer and type(back[1]) is BatchNormNd
+    with pytest.warns(UserWarning, match=r"left 1 of 1 BatchNorm layers local .*it overrides forward"):
+        local = syncbn.convert_sync_batchnorm(nn.Sequential(BatchNormAct(3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert type(syncbn.revert_sync_batchnorm(local)[0]) is BatchNormAct
+
+
 @pytest.mark.parametrize("name", ["dump_patches", "_version"])
 def test_an_attribute_named_like_a_module_class_attribute_is_not_dropped(name):
     """``_carry`` never moves a name ``nn.Module`` declares on its class (torch's bookkeeping,

@@ -656,9 +656,11 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     A layer made by a conversion registered with :func:`register_conversion` goes back
     through that registration's ``to_plain`` (timm's layers become timm's
-    ``BatchNormAct2d``). A subclass of ``SyncBatchNorm`` that overrides ``forward``
-    and has no registered conversion is left as it is (a plain layer would drop what
-    its ``forward`` adds).
+    ``BatchNormAct2d``). A subclass of ``SyncBatchNorm`` that overrides ``forward`` (or
+    another method of torch's batch norm, such as ``train``) and has no registered
+    conversion is left as it is, still synchronized (a plain layer would drop what its
+    class adds), and named in a warning with the methods and the fix: replace that layer
+    yourself with a plain batch norm that does what its class adds.
 
     A :class:`syncbn.SyncBatchNormAct` made by :func:`fuse_batchnorm_act` becomes the
     batch norm and activation it was made of, each in its old place (so the model's
@@ -711,6 +713,10 @@ def _revert(module: nn.Module, keep) -> nn.Module:
     def swap(m: nn.Module) -> nn.Module:
         if id(m) in kept:
             return m
+        if isinstance(m, SyncBatchNorm) and _registered(m.__dict__.get("_syncbn_origin")) is None:
+            why = _why_kept_synchronized(m)
+            if why is not None:  # the plain layer would drop what its class adds
+                return leave(m, why)
         if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
             # hooks move with the layer, but not from a SyncBatchNormAct that no registered
             # conversion made: a forward or backward hook on it sees the activated output
@@ -739,7 +745,7 @@ def _revert(module: nn.Module, keep) -> nn.Module:
             if id(m) in restored:  # its activation comes back in its own place
                 return bn
             return nn.Sequential(bn, _activation_module(m))
-        if not plain(m):
+        if not plain(m):  # not a SyncBatchNorm (one whose class overrides a method is left above)
             return m
         return _plain_batchnorm(m, hooks=True, fallbacks=fallbacks)
 
@@ -758,6 +764,20 @@ def _revert(module: nn.Module, keep) -> nn.Module:
             stacklevel=2,
         )
     return result
+
+
+def _why_kept_synchronized(m: SyncBatchNorm) -> str | None:
+    """Why revert leaves the :class:`SyncBatchNorm` ``m`` (no registered conversion made it)
+    as it is, or None: its class overrides a method of torch's batch norm (``forward``,
+    ``train``, ...), which the plain layer revert makes would not have; and there is no
+    plain class to give back for a class derived from ``SyncBatchNorm``."""
+    cls = _class_of(m)
+    overridden = _overridden(cls, (SyncBatchNorm,))
+    if not overridden:
+        return None
+    return (f"its class {cls.__qualname__} overrides {', '.join(overridden)}, which a plain batch norm would drop, "
+            "and revert has no plain class to give back for a class derived from SyncBatchNorm: replace this layer "
+            f"yourself with a plain batch norm that does what {cls.__qualname__} adds")
 
 
 def _revert_fix(m: nn.Module) -> str:
