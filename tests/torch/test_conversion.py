@@ -499,22 +499,70 @@ class _NothingOverriddenSync(syncbn.SyncBatchNorm):
         return "mine, " + super().extra_repr()
 
 
+class _TriplingSyncAct(syncbn.SyncBatchNormAct):
+    """A user's fused layer whose own forward adds work."""
+
+    def forward(self, input):
+        return super().forward(input) * 3
+
+
+class _FrozenSyncAct(syncbn.SyncBatchNormAct):
+    """A user's fused layer kept in eval mode (a frozen layer)."""
+
+    def train(self, mode=True):
+        return super().train(False)
+
+
+class _SlowMomentumSync(syncbn.SyncBatchNorm):
+    """A user's synchronized layer weighting each batch by its own rule in the running
+    buffers: ``_momentum`` is syncbn's, not torch's, and both forwards call it."""
+
+    def _momentum(self, as_tensor, count=True):
+        super()._momentum(as_tensor, count)  # num_batches_tracked moves as before
+        return 0.5 / (1.0 + float(self.num_batches_tracked))
+
+
+class _SlowMomentumSyncAct(syncbn.SyncBatchNormAct):
+    def _momentum(self, as_tensor, count=True):
+        super()._momentum(as_tensor, count)
+        return 0.5 / (1.0 + float(self.num_batches_tracked))
+
+
+class _NothingOverriddenSyncAct(syncbn.SyncBatchNormAct):
+    """Overrides only what the plain layers do alike: the text, and the question the input
+    check asks (the plain batch norm's own check takes every input this one took)."""
+
+    def extra_repr(self):
+        return "mine, " + super().extra_repr()
+
+    def _holds_channels(self):
+        return super()._holds_channels()
+
+
 def _leaving(cls, *methods):
     """The reason revert gives for leaving a layer of ``cls``, which overrides ``methods``."""
-    return (rf"its class {cls.__qualname__} overrides {', '.join(methods)}, which a plain batch norm would drop, and "
-            r"revert has no plain class to give back for a class derived from SyncBatchNorm: replace this layer "
-            rf"yourself with a plain batch norm that does what {cls.__qualname__} adds\)")
+    base, plain, does = (("SyncBatchNormAct", "a plain batch norm and activation", "do")
+                         if issubclass(cls, syncbn.SyncBatchNormAct) else ("SyncBatchNorm", "a plain batch norm", "does"))
+    return (rf"its class {cls.__qualname__} overrides {', '.join(methods)}, which {plain} would drop, and revert has "
+            rf"no plain class to give back for a class derived from {base}: replace this layer yourself with {plain} "
+            rf"that {does} what {cls.__qualname__} adds\)")
 
 
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("cls, method", [(_DoublingSync, "forward"), (_FrozenSync, "train")])
+@pytest.mark.parametrize("cls, method", [
+    (_DoublingSync, "forward"), (_FrozenSync, "train"), (_SlowMomentumSync, "_momentum"),
+    (_TriplingSyncAct, "forward"), (_FrozenSyncAct, "train"), (_SlowMomentumSyncAct, "_momentum"),
+])
 def test_revert_warns_about_a_synchronized_subclass_that_overrides_a_method(cls, method, training):
-    """A ``SyncBatchNorm`` subclass overriding ``forward`` (or ``train``) with no registered
-    conversion has no plain class to go back to, and a plain batch norm would drop what it
-    adds: revert left it synchronized without a word, though the user asked for a model
-    without synchronization. It stays as it is (the same object, its outputs unchanged),
-    named by its path in the warning with the method and the fix, in train and eval mode
-    alike; the layers beside it still revert (a model convert has been run on too)."""
+    """A ``SyncBatchNorm`` or ``SyncBatchNormAct`` subclass overriding ``forward`` (or
+    ``train``, or syncbn's own ``_momentum``, which both forwards call) with no registered
+    conversion has no plain class to go back to, and the plain layers would drop what it
+    adds: revert left a ``SyncBatchNorm`` one synchronized without a word, though the user
+    asked for a model without synchronization, and split a ``SyncBatchNormAct`` one into
+    ``Sequential(BatchNormNd, LeakyReLU)``, dropping what its class adds without a word. It
+    stays as it is (the same object, its outputs unchanged), named by its path in the
+    warning with the method and the fix, in train and eval mode alike; the layers beside it
+    still revert (a model convert has been run on too)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(nn.BatchNorm2d(3), cls(3)))
     with warnings.catch_warnings():
@@ -539,6 +587,37 @@ def test_revert_of_a_synchronized_subclass_that_overrides_nothing_says_nothing()
         warnings.simplefilter("error")
         back = syncbn.revert_sync_batchnorm(nn.Sequential(layer))
     assert type(back[0]) is BatchNormNd and back[0].weight is layer.weight
+
+
+def test_revert_of_a_fused_subclass_that_overrides_nothing_says_nothing():
+    """A ``SyncBatchNormAct`` subclass overriding only what the plain layers do alike
+    (``extra_repr``, ``_holds_channels``) splits into a plain batch norm and its
+    activation, as before, without a warning."""
+    layer = _NothingOverriddenSyncAct(3, activation="elu", activation_param=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = syncbn.revert_sync_batchnorm(nn.Sequential(layer))
+    assert [type(m) for m in back[0]] == [BatchNormNd, nn.ELU] and back[0][1].alpha == 0.5
+    assert back[0][0].weight is layer.weight
+
+
+def test_a_fused_layer_left_for_its_class_keeps_its_activation_placeholder():
+    """``fuse_batchnorm_act`` builds ``SyncBatchNormAct`` itself, never a subclass; a fused
+    layer whose class became an overriding subclass since is left as it is, and so is the
+    placeholder in its activation's place (restoring that activation would apply it twice):
+    the model computes what it did, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.LeakyReLU(0.1)).eval()
+    _randomize_buffers(model)
+    fused = syncbn.fuse_batchnorm_act(model)
+    assert type(fused[1]) is syncbn.SyncBatchNormAct
+    placeholder = fused[2]
+    fused[1].__class__ = _TriplingSyncAct
+    x = torch.randn(4, 3, 2, 2)
+    expected = fused(x)
+    back = _revert_expecting(fused, _leaving(_TriplingSyncAct, "forward"), layer="1")
+    assert type(back[1]) is _TriplingSyncAct and back[2] is placeholder
+    torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
 
 
 def test_a_kept_synchronized_subclass_is_not_warned_about():

@@ -72,13 +72,19 @@ _MISSING = object()
 # methods a batch-norm subclass may define and still be a plain batch norm: a layer of it
 # computes, trains, saves and loads as torch's layer does
 _HARMLESS_METHODS = {"__init__", "_check_input_dim", "extra_repr"}
+# methods of syncbn's synchronized layers beyond torch's batch norm that a subclass may
+# redefine and still revert to a plain batch norm: torch.jit.script's refusal, torch.fx's
+# call of the layer, and the question the input check asks (_check_input_dim is harmless);
+# any other (``_momentum``, the running-buffer weight both forwards use) changes what the
+# layer computes, so a subclass redefining it is left as it is by revert
+_SYNC_HARMLESS_METHODS = _HARMLESS_METHODS | {"__prepare_scriptable__", "_fx_leaf", "_holds_channels"}
 
 
-def _overridden(cls: type, bases: tuple) -> list:
-    """The methods of torch's batch norm that ``cls`` (or a class between it and the first
-    of ``bases`` in its MRO) redefines, beyond those in :data:`_HARMLESS_METHODS`: ``train``
-    kept in eval (a frozen layer), ``forward``, ``_load_from_state_dict``, ... A converted
-    or reverted layer would lose them."""
+def _overridden(cls: type, bases: tuple, methods_of: tuple = (_BatchNorm,), harmless: set = _HARMLESS_METHODS) -> list:
+    """The methods of torch's batch norm (of a class in ``methods_of``) that ``cls`` (or a
+    class between it and the first of ``bases`` in its MRO) redefines, beyond those in
+    ``harmless``: ``train`` kept in eval (a frozen layer), ``forward``,
+    ``_load_from_state_dict``, ... A converted or reverted layer would lose them."""
     found = []
     for c in cls.__mro__:
         if c in bases or c is _BatchNorm:
@@ -86,7 +92,7 @@ def _overridden(cls: type, bases: tuple) -> list:
         if c in (_LazyNormBase, LazyModuleMixin):  # a lazy layer's shape inference (see _become)
             continue
         for name, value in vars(c).items():
-            if name not in _HARMLESS_METHODS and name not in found and hasattr(_BatchNorm, name) and (
+            if name not in harmless and name not in found and any(hasattr(k, name) for k in methods_of) and (
                 callable(value) or isinstance(value, (property, staticmethod, classmethod))
             ):
                 found.append(name)
@@ -656,11 +662,12 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     A layer made by a conversion registered with :func:`register_conversion` goes back
     through that registration's ``to_plain`` (timm's layers become timm's
-    ``BatchNormAct2d``). A subclass of ``SyncBatchNorm`` that overrides ``forward`` (or
-    another method of torch's batch norm, such as ``train``) and has no registered
-    conversion is left as it is, still synchronized (a plain layer would drop what its
-    class adds), and named in a warning with the methods and the fix: replace that layer
-    yourself with a plain batch norm that does what its class adds.
+    ``BatchNormAct2d``). A subclass of ``SyncBatchNorm`` or ``SyncBatchNormAct`` that
+    overrides ``forward`` (or another method of torch's batch norm, such as ``train``, or
+    ``_momentum``) and has no registered conversion is left as it is, still synchronized
+    (the plain layers would drop what its class adds), and named in a warning with the
+    methods and the fix: replace that layer yourself with a plain batch norm (and
+    activation) that does what its class adds.
 
     A :class:`syncbn.SyncBatchNormAct` made by :func:`fuse_batchnorm_act` becomes the
     batch norm and activation it was made of, each in its old place (so the model's
@@ -703,7 +710,7 @@ def _revert(module: nn.Module, keep) -> nn.Module:
 
     def plain(m: nn.Module) -> bool:  # a SyncBatchNorm that reverts to a plain batch norm
         return (isinstance(m, SyncBatchNorm) and _registered(m.__dict__.get("_syncbn_origin")) is None
-                and not _overridden(_class_of(m), (SyncBatchNorm,)))
+                and not _sync_overridden(_class_of(m)))
 
     def leave(m: nn.Module, why: str) -> nn.Module:  # ``m`` stays as it is, named in the warning
         skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
@@ -713,9 +720,9 @@ def _revert(module: nn.Module, keep) -> nn.Module:
     def swap(m: nn.Module) -> nn.Module:
         if id(m) in kept:
             return m
-        if isinstance(m, SyncBatchNorm) and _registered(m.__dict__.get("_syncbn_origin")) is None:
+        if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)) and _registered(m.__dict__.get("_syncbn_origin")) is None:
             why = _why_kept_synchronized(m)
-            if why is not None:  # the plain layer would drop what its class adds
+            if why is not None:  # the plain layers would drop what its class adds
                 return leave(m, why)
         if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
             # hooks move with the layer, but not from a SyncBatchNormAct that no registered
@@ -766,18 +773,33 @@ def _revert(module: nn.Module, keep) -> nn.Module:
     return result
 
 
-def _why_kept_synchronized(m: SyncBatchNorm) -> str | None:
-    """Why revert leaves the :class:`SyncBatchNorm` ``m`` (no registered conversion made it)
-    as it is, or None: its class overrides a method of torch's batch norm (``forward``,
-    ``train``, ...), which the plain layer revert makes would not have; and there is no
-    plain class to give back for a class derived from ``SyncBatchNorm``."""
+def _sync_overridden(cls: type) -> list:
+    """The methods that ``cls``, a subclass of :class:`SyncBatchNorm` or
+    :class:`SyncBatchNormAct`, redefines and the plain layers revert makes of it would not
+    have: torch's batch-norm methods (``forward``, ``train``, ...) and those the
+    synchronized layers add that change what they compute (``_momentum``; not those in
+    :data:`_SYNC_HARMLESS_METHODS`)."""
+    base = SyncBatchNormAct if issubclass(cls, SyncBatchNormAct) else SyncBatchNorm
+    return _overridden(cls, (base,), methods_of=(_BatchNorm, _SyncNormBase), harmless=_SYNC_HARMLESS_METHODS)
+
+
+def _why_kept_synchronized(m: nn.Module) -> str | None:
+    """Why revert leaves the :class:`SyncBatchNorm` or :class:`SyncBatchNormAct` ``m`` (no
+    registered conversion made it) as it is, or None: its class overrides a method (see
+    :func:`_sync_overridden`), which the plain batch norm (and activation) revert makes
+    would not have; and there is no plain class to give back for a class derived from
+    ``SyncBatchNorm`` or ``SyncBatchNormAct``."""
     cls = _class_of(m)
-    overridden = _overridden(cls, (SyncBatchNorm,))
+    overridden = _sync_overridden(cls)
     if not overridden:
         return None
-    return (f"its class {cls.__qualname__} overrides {', '.join(overridden)}, which a plain batch norm would drop, "
-            "and revert has no plain class to give back for a class derived from SyncBatchNorm: replace this layer "
-            f"yourself with a plain batch norm that does what {cls.__qualname__} adds")
+    if isinstance(m, SyncBatchNormAct):
+        base, plain, does = "SyncBatchNormAct", "a plain batch norm and activation", "do"
+    else:
+        base, plain, does = "SyncBatchNorm", "a plain batch norm", "does"
+    return (f"its class {cls.__qualname__} overrides {', '.join(overridden)}, which {plain} would drop, and revert "
+            f"has no plain class to give back for a class derived from {base}: replace this layer yourself with "
+            f"{plain} that {does} what {cls.__qualname__} adds")
 
 
 def _revert_fix(m: nn.Module) -> str:
