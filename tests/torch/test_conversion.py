@@ -201,7 +201,8 @@ def test_registered_conversion_round_trip():
 
 def test_revert_keeps_an_unregistered_subclass_that_overrides_forward():
     layer = nn.Sequential(SyncBatchNormRelu(3))
-    assert type(syncbn.revert_sync_batchnorm(layer)[0]) is SyncBatchNormRelu
+    with pytest.warns(UserWarning, match=r"0 \(its class SyncBatchNormRelu overrides forward"):
+        assert type(syncbn.revert_sync_batchnorm(layer)[0]) is SyncBatchNormRelu
 
 
 class SquareOnlyBatchNorm(nn.BatchNorm2d):
@@ -1674,6 +1675,22 @@ def test_a_subclass_overriding_more_than_forward_stays_local():
     model.train()
     model(_image(0))
     assert not model[1].training and torch.equal(model[1].running_mean, before)
+
+
+def test_fusion_keeps_a_synchronized_subclass_with_its_own_momentum_unfused():
+    """``_momentum`` is syncbn's (the running-buffer weight both forwards call), not torch's:
+    a SyncBatchNorm subclass redefining it was fused into a plain SyncBatchNormAct, which
+    weights its batches by the default rule. It stays unfused, named with the method."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 1), _SlowMomentumSync(4), nn.LeakyReLU(0.1))
+    with pytest.warns(UserWarning, match=r"1 \(its class overrides _momentum\)"):
+        fused = syncbn.fuse_batchnorm_act(model)
+    assert type(fused[1]) is _SlowMomentumSync and type(fused[2]) is nn.LeakyReLU
+    fused.train()
+    with torch.no_grad():
+        fused(_image(0))
+        batch_mean = fused[0](_image(0)).mean(dim=(0, 2, 3))
+    # the subclass's weight after one batch, 0.5 / (1 + 1); the default rule's would be 0.1
+    torch.testing.assert_close(fused[1].running_mean, 0.25 * batch_mean, rtol=1e-5, atol=1e-6)
 
 
 def _two_pairs(second_activation):

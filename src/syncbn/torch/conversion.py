@@ -922,7 +922,16 @@ def _activation_module(m: SyncBatchNormAct) -> nn.Module:
 def _fusable_batchnorm(m: nn.Module) -> bool:
     if _lazy_unfinished(m):
         return False
-    return _is_plain(m) or (isinstance(m, SyncBatchNorm) and not _overridden(_class_of(m), (SyncBatchNorm,)))
+    return _is_plain(m) or (isinstance(m, SyncBatchNorm) and not _sync_overridden(_class_of(m)))
+
+
+def _fusion_overrides(m: nn.Module) -> list:
+    """The methods whose redefinition keeps the batch norm ``m`` out of fusion (the fused
+    layer would not have them): :func:`_sync_overridden`'s for a :class:`SyncBatchNorm`
+    subclass (``_momentum`` too), else :func:`_overrides`'s."""
+    if isinstance(m, SyncBatchNorm):
+        return _sync_overridden(_class_of(m))
+    return _overrides(m, _PLAIN_BN)
 
 
 def _fuse(bn: nn.Module, act: nn.Module, spec, process_group, inplace: bool):
@@ -1187,7 +1196,7 @@ def _pairs_in(root: nn.Module, graph, reads: _Reads):
         reason = None
         if not _fusable_batchnorm(bn):
             reason = (f"it is {_LAZY_FIX}" if _lazy_unfinished(bn)
-                      else f"its class overrides {', '.join(_overrides(bn, _PLAIN_BN + (SyncBatchNorm,)))}")
+                      else f"its class overrides {', '.join(_fusion_overrides(bn))}")
         # attributes and __slots__ that the fused layer could not hold (see _not_carried)
         reason = reason or _not_carried(bn, "")
         # hooks cannot move into the fused layer as they move into a SyncBatchNorm: a forward
