@@ -870,9 +870,12 @@ def test_shared_activation_fuses_only_when_every_use_does():
         def forward(self, x):
             return self.act(self.other(self.act(self.bn1(x))))
 
-    both = syncbn.fuse_batchnorm_act(Shared(True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every use of the activation fuses: nothing to say
+        both = syncbn.fuse_batchnorm_act(Shared(True))
     assert isinstance(both.bn1, syncbn.SyncBatchNormAct) and isinstance(both.other, syncbn.SyncBatchNormAct)
-    one = syncbn.fuse_batchnorm_act(Shared(False))
+    with pytest.warns(UserWarning, match=r"unfused: bn1 \(its activation act is also called where it cannot be fused\)"):
+        one = syncbn.fuse_batchnorm_act(Shared(False))
     assert type(one.bn1) is nn.BatchNorm1d and type(one.act) is nn.LeakyReLU
 
 
