@@ -783,7 +783,7 @@ def _sync_overridden(cls: type) -> list:
     return _overridden(cls, (base,), methods_of=(_BatchNorm, _SyncNormBase), harmless=_SYNC_HARMLESS_METHODS)
 
 
-def _why_kept_synchronized(m: nn.Module) -> str | None:
+def _why_kept_synchronized(m: nn.Module) -> Optional[str]:
     """Why revert leaves the :class:`SyncBatchNorm` or :class:`SyncBatchNormAct` ``m`` (no
     registered conversion made it) as it is, or None: its class overrides a method (see
     :func:`_sync_overridden`), which the plain batch norm (and activation) revert makes
