@@ -708,10 +708,6 @@ def _revert(module: nn.Module, keep) -> nn.Module:
     layers = {id(m) for m in module.modules() if isinstance(m, SyncBatchNormAct) and id(m) not in kept}
     restored = {id(p._syncbn_fused_into) for p in placeholders if id(p._syncbn_fused_into) in layers}
 
-    def plain(m: nn.Module) -> bool:  # a SyncBatchNorm that reverts to a plain batch norm
-        return (isinstance(m, SyncBatchNorm) and _registered(m.__dict__.get("_syncbn_origin")) is None
-                and not _sync_overridden(_class_of(m)))
-
     def leave(m: nn.Module, why: str) -> nn.Module:  # ``m`` stays as it is, named in the warning
         skipped.append(f"{names.get(id(m), type(m).__name__)} ({why})")
         restored.discard(id(m))  # a fused layer left keeps its activation's placeholder
@@ -720,40 +716,37 @@ def _revert(module: nn.Module, keep) -> nn.Module:
     def swap(m: nn.Module) -> nn.Module:
         if id(m) in kept:
             return m
-        if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)) and _registered(m.__dict__.get("_syncbn_origin")) is None:
-            why = _why_kept_synchronized(m)
-            if why is not None:  # the plain layers would drop what its class adds
-                return leave(m, why)
-        if isinstance(m, (SyncBatchNorm, SyncBatchNormAct)):
-            # hooks move with the layer, but not from a SyncBatchNormAct that no registered
-            # conversion made: a forward or backward hook on it sees the activated output
-            # and its gradient, which neither the batch norm nor the activation it splits
-            # into computes (nor does a Sequential of them hold the layer's attributes or
-            # state_dict keys, which its hooks read)
-            held = isinstance(m, SyncBatchNormAct) and _registered(m.__dict__.get("_syncbn_origin")) is None
-            why = _why_not_movable(m, hooks=held)
-            if why is not None:
-                return leave(m, why)
         if isinstance(m, _FusedActivation):
             return m._syncbn_original if id(m._syncbn_fused_into) in restored else m
         conversion = _registered(m.__dict__.get("_syncbn_origin"))
+        synced = isinstance(m, (SyncBatchNorm, SyncBatchNormAct))
+        if synced:
+            # a class that overrides a method has no plain class to go back to; hooks move
+            # with the layer, but not from a SyncBatchNormAct that no registered conversion
+            # made: a forward or backward hook on it sees the activated output and its
+            # gradient, which neither the batch norm nor the activation it splits into
+            # computes (nor does a Sequential of them hold the layer's attributes or
+            # state_dict keys, which its hooks read)
+            why = ((_why_kept_synchronized(m) if conversion is None else None)
+                   or _why_not_movable(m, hooks=conversion is None and isinstance(m, SyncBatchNormAct)))
+            if why is not None:
+                return leave(m, why)
         if conversion is not None:
             new = conversion[1](m)
             why = _registered_reason(m, new, "to_plain")
             if why is not None:
                 return leave(m, why)
             return _carry_registered(m, new)
-        if isinstance(m, SyncBatchNormAct) or plain(m):  # the plain layer holds what _carry moves
-            why = _not_carried(m, _revert_fix(m))
-            if why is not None:
-                return leave(m, why)
+        if not synced:
+            return m
+        why = _not_carried(m, _revert_fix(m))  # the plain layer holds what _carry moves
+        if why is not None:
+            return leave(m, why)
         if isinstance(m, SyncBatchNormAct):
             bn = _plain_batchnorm(m, fallbacks=fallbacks)
             if id(m) in restored:  # its activation comes back in its own place
                 return bn
             return nn.Sequential(bn, _activation_module(m))
-        if not plain(m):  # not a SyncBatchNorm (one whose class overrides a method is left above)
-            return m
         return _plain_batchnorm(m, hooks=True, fallbacks=fallbacks)
 
     # the layers first (a skipped fused layer keeps its placeholder), then the placeholders
