@@ -481,40 +481,21 @@ def test_revert_leaves_a_synchronized_layer_whose_class_declares_slots(cls):
     assert back[0] is layer and layer.note == "kept"
 
 
-class _DoublingSync(syncbn.SyncBatchNorm):
+class _Doubling:
     """A user's synchronized layer whose own forward adds work."""
 
     def forward(self, input):
         return super().forward(input) * 2
 
 
-class _FrozenSync(syncbn.SyncBatchNorm):
+class _FrozenSynced:
     """A user's synchronized layer kept in eval mode (a frozen layer)."""
 
     def train(self, mode=True):
         return super().train(False)
 
 
-class _NothingOverriddenSync(syncbn.SyncBatchNorm):
-    def extra_repr(self):  # harmless: a plain batch norm keeps it too (it is not the class given back)
-        return "mine, " + super().extra_repr()
-
-
-class _TriplingSyncAct(syncbn.SyncBatchNormAct):
-    """A user's fused layer whose own forward adds work."""
-
-    def forward(self, input):
-        return super().forward(input) * 3
-
-
-class _FrozenSyncAct(syncbn.SyncBatchNormAct):
-    """A user's fused layer kept in eval mode (a frozen layer)."""
-
-    def train(self, mode=True):
-        return super().train(False)
-
-
-class _SlowMomentumSync(syncbn.SyncBatchNorm):
+class _SlowMomentum:
     """A user's synchronized layer weighting each batch by its own rule in the running
     buffers: ``_momentum`` is syncbn's, not torch's, and both forwards call it."""
 
@@ -523,10 +504,33 @@ class _SlowMomentumSync(syncbn.SyncBatchNorm):
         return 0.5 / (1.0 + float(self.num_batches_tracked))
 
 
-class _SlowMomentumSyncAct(syncbn.SyncBatchNormAct):
-    def _momentum(self, as_tensor, count=True):
-        super()._momentum(as_tensor, count)
-        return 0.5 / (1.0 + float(self.num_batches_tracked))
+class _DoublingSync(_Doubling, syncbn.SyncBatchNorm):
+    pass
+
+
+class _FrozenSync(_FrozenSynced, syncbn.SyncBatchNorm):
+    pass
+
+
+class _SlowMomentumSync(_SlowMomentum, syncbn.SyncBatchNorm):
+    pass
+
+
+class _DoublingSyncAct(_Doubling, syncbn.SyncBatchNormAct):
+    pass
+
+
+class _FrozenSyncAct(_FrozenSynced, syncbn.SyncBatchNormAct):
+    pass
+
+
+class _SlowMomentumSyncAct(_SlowMomentum, syncbn.SyncBatchNormAct):
+    pass
+
+
+class _NothingOverriddenSync(syncbn.SyncBatchNorm):
+    def extra_repr(self):  # harmless: a plain batch norm keeps it too (it is not the class given back)
+        return "mine, " + super().extra_repr()
 
 
 class _NothingOverriddenSyncAct(syncbn.SyncBatchNormAct):
@@ -552,7 +556,7 @@ def _leaving(cls, *methods):
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("cls, method", [
     (_DoublingSync, "forward"), (_FrozenSync, "train"), (_SlowMomentumSync, "_momentum"),
-    (_TriplingSyncAct, "forward"), (_FrozenSyncAct, "train"), (_SlowMomentumSyncAct, "_momentum"),
+    (_DoublingSyncAct, "forward"), (_FrozenSyncAct, "train"), (_SlowMomentumSyncAct, "_momentum"),
 ])
 def test_revert_warns_about_a_synchronized_subclass_that_overrides_a_method(cls, method, training):
     """A ``SyncBatchNorm`` or ``SyncBatchNormAct`` subclass overriding ``forward`` (or
@@ -613,11 +617,11 @@ def test_a_fused_layer_left_for_its_class_keeps_its_activation_placeholder():
     fused = syncbn.fuse_batchnorm_act(model)
     assert type(fused[1]) is syncbn.SyncBatchNormAct
     placeholder = fused[2]
-    fused[1].__class__ = _TriplingSyncAct
+    fused[1].__class__ = _DoublingSyncAct
     x = torch.randn(4, 3, 2, 2)
     expected = fused(x)
-    back = _revert_expecting(fused, _leaving(_TriplingSyncAct, "forward"), layer="1")
-    assert type(back[1]) is _TriplingSyncAct and back[2] is placeholder
+    back = _revert_expecting(fused, _leaving(_DoublingSyncAct, "forward"), layer="1")
+    assert type(back[1]) is _DoublingSyncAct and back[2] is placeholder
     torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
 
 
