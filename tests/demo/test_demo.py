@@ -250,6 +250,19 @@ def test_relative_difference():
     assert demo_report.relative_difference(broken, ref) == (np.inf, "a")
 
 
+def test_predictions_come_in_chunks_in_order():
+    images = np.arange(130 * 2, dtype=np.float32).reshape(130, 2)
+    sizes = []
+
+    def classes(batch):
+        sizes.append(len(batch))
+        return batch[:, 0].astype(np.int64)  # each image's first value: order is visible
+
+    got = demo_report.in_chunks(classes, images)
+    assert sizes == [64, 64, 2]
+    np.testing.assert_array_equal(got, images[:, 0].astype(np.int64))
+
+
 def test_eval_steps_end_at_the_last_step():
     assert demo.DemoConfig(steps=10, eval_every=4).eval_steps() == [0, 4, 8, 10]
 

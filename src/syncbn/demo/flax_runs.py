@@ -130,9 +130,8 @@ def train_three_ways(config, devices: List, progress: bool) -> dict:
         # inference mode: the running statistics, nothing to synchronize (compiled once, plain Flax)
         return jnp.argmax(model.apply(variables, images, train=False), axis=-1)
 
-    def predict(variables, images, chunk: int = 64):
-        return np.concatenate([np.asarray(_classes(variables, images[i:i + chunk]))
-                               for i in range(0, len(images), chunk)])
+    def predict(variables, images):
+        return report_.in_chunks(lambda x: _classes(variables, x), images)
 
     names = [f"{d.platform}:{d.id}" for d in devices]
     print(f"syncbn demo: Flax {flax.__version__} (linen) on JAX {jax.__version__}, {config.world_size} devices x "

@@ -52,11 +52,9 @@ def per_image_loss(logits, masks, class_weight):
     return ops.mean(pixels * ops.take(class_weight, masks), axis=(1, 2))
 
 
-def _predict(model, images: np.ndarray, chunk: int = 64) -> np.ndarray:
+def _predict(model, images: np.ndarray) -> np.ndarray:
     """Predicted classes (N, H, W) in inference mode."""
-    out = [np.asarray(ops.convert_to_numpy(ops.argmax(model(images[i : i + chunk], training=False), axis=-1)))
-           for i in range(0, len(images), chunk)]
-    return np.concatenate(out)
+    return report_.in_chunks(lambda x: ops.convert_to_numpy(ops.argmax(model(x, training=False), axis=-1)), images)
 
 
 def _values(variables) -> Dict[str, np.ndarray]:
@@ -215,10 +213,9 @@ def _jax_run(position, title, mode, mesh, initial, config, data, progress):
 
     classes = jax.jit(classes)
 
-    def predict(images, chunk=64):
+    def predict(images):
         trainable, non_trainable, _ = state
-        return np.concatenate([np.asarray(classes(trainable, non_trainable, images[i : i + chunk]))
-                               for i in range(0, len(images), chunk)])
+        return report_.in_chunks(lambda x: classes(trainable, non_trainable, x), images)
 
     return _train_loop(position, title, step_fn, model, config, data, progress, predict), model
 

@@ -174,6 +174,13 @@ class ChannelsLastData:
         self.class_weight = weight
 
 
+def in_chunks(classes, images: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """``classes(batch)`` (predicted classes of one batch, any array type) over ``images``
+    ``chunk`` at a time, concatenated as one NumPy array: the validation set need not fit
+    one call's memory."""
+    return np.concatenate([np.asarray(classes(images[i : i + chunk])) for i in range(0, len(images), chunk)])
+
+
 def train_loop(position: int, title: str, step_fn, predict, params, buffers, config,
                data: ChannelsLastData, progress: bool) -> RunRecord:
     """One run of a single-process demo (Keras, Flax): ``step_fn(step, x, y)`` trains on
