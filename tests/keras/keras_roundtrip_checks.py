@@ -824,6 +824,103 @@ def keras_file_keeps_layers_their_owners_make():
     return {"bn_layers": counts}
 
 
+def lazy_classes():
+    """A custom layer that makes its Dense and BatchNormalization layers in ``build()``,
+    a layer that makes one of those in its constructor, and a subclassed model that
+    makes its BatchNormalization in ``build()``."""
+    import keras
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class LazyBlock(keras.layers.Layer):
+        def build(self, input_shape):
+            self.dense = keras.layers.Dense(input_shape[-1], name="dense")
+            self.dense.build(input_shape)
+            self.bn = keras.layers.BatchNormalization(momentum=0.5, name="bn")
+            self.bn.build(input_shape)
+
+        def call(self, x, training=None):
+            return self.bn(self.dense(x), training=training)
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class LazyOwner(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = LazyBlock(name="block")
+
+        def build(self, input_shape):
+            self.block.build(input_shape)
+
+        def call(self, x, training=None):
+            return self.block(x, training=training)
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class LazyNet(keras.Model):
+        def build(self, input_shape):
+            self.bn = keras.layers.BatchNormalization(momentum=0.5, name="bn")
+            self.bn.build(input_shape)
+
+        def call(self, x, training=None):
+            return self.bn(x, training=training)
+
+    return LazyBlock, LazyOwner, LazyNet
+
+
+@check
+def convert_synchronizes_layers_made_in_build():
+    """A layer that makes its BatchNormalization layers in its own ``build()`` holds
+    none before it is built, and its copy from its config none until it is built (nor
+    while a ``.keras`` file loads). Converted, unbuilt or built, every such layer is
+    synchronized once built: it trains synchronized, and its ``.keras`` file loads back
+    synchronized with the same weights and predictions (before the fix both came out
+    plain, without a word)."""
+    import os
+    import tempfile
+
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(41)
+    LazyBlock, LazyOwner, LazyNet = lazy_classes()
+    data = (rng.standard_normal((6, 3)) * 2 + 1).astype(np.float32)
+    # a Sequential with an Input is built as it is made; without one, when first called
+    cases = {
+        "layer in a Sequential": lambda: keras.Sequential([LazyBlock(name="lazy")]),
+        "layer held by a layer": lambda: keras.Sequential([LazyOwner(name="owner")]),
+        "subclassed model": lambda: LazyNet(name="net"),
+        "bare layer": lambda: LazyBlock(name="lazy"),
+    }
+    done = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for where, make in cases.items():
+            for built in (False, True):
+                what = f"{where}, {'built' if built else 'unbuilt'} when converted"
+                model = make()
+                assert not model.built, what
+                if built:
+                    model(data)
+                    assert kinds(model) == (1, 0), (what, kinds(model))
+                synced = convert(model)
+                synced(data)  # builds an unbuilt copy
+                assert kinds(synced) == (0, 1), (what, kinds(synced))
+                synced(data, training=True)  # moving statistics away from their start
+                path = os.path.join(tmp, "synced.keras")
+                holder = synced if isinstance(synced, keras.Model) else keras.Sequential(
+                    [keras.Input((3,)), synced])
+                holder.save(path)
+                loaded = keras.models.load_model(path)
+                assert kinds(loaded) == (0, 1), (what, kinds(loaded))
+                want = np.asarray(holder(data, training=False))
+                assert np.all(np.isfinite(want)), what
+                np.testing.assert_array_equal(np.asarray(loaded(data, training=False)), want, err_msg=what)
+                for a, b in zip(holder.get_weights(), loaded.get_weights()):
+                    np.testing.assert_array_equal(b, a, err_msg=what)
+                plain = revert(loaded)
+                assert kinds(plain) == (1, 0), (what, kinds(plain))
+                np.testing.assert_array_equal(np.asarray(plain(data, training=False)), want, err_msg=what)
+                done.append(what)
+    return {"cases": len(done)}
+
 def exported_pair(build, rng):
     """A plain model of ``build()`` with every weight redrawn, and its converted copy."""
     from syncbn.keras import convert

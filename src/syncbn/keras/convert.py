@@ -5,6 +5,7 @@ way."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import warnings
@@ -50,7 +51,9 @@ def convert(model):
     and synchronizes them again when ``keras.models.load_model`` rebuilds it
     (``syncbn.keras`` imported; without it loading raises Keras's "Could not locate
     class" error, naming the converted class, ``SynchronizedBlock`` say, or
-    ``SyncBatchNormalization``; never a plain model).
+    ``SyncBatchNormalization``; never a plain model). Batch norm layers that such a layer
+    makes in its own ``build()`` (none exist in a copy before it is built) are synchronized
+    when it is built, converting and loading alike.
 
     Weights files (``.weights.h5``) name a layer's group after its class, so a file
     saved from the original loads into ``convert`` of a model that loaded it (load,
@@ -136,6 +139,9 @@ class _Swap:
         # deserialization gives a config that serializes it (_keeping_ties)
         self._shared = {}
         self._tied = set()  # the ids of those layers
+        # the layers holding the one being walked (swap_within, retype_within), outermost
+        # first: the owners of a layer that makes its batch norm layers when it is built
+        self._owners = []
 
     @classmethod
     def to_sync(cls):
@@ -442,6 +448,7 @@ class _Swap:
         if self.leaves(layer):
             self.skipped.append(layer)
             return
+        self._when_built(layer)
         before = self.swaps
         tracker = getattr(layer, "_tracker", None)
         stores = [] if tracker is None else [store for _, store in tracker.config.values()]
@@ -452,10 +459,18 @@ class _Swap:
             elif self.replaces(value):
                 new = self.swapped(value)
             elif _is_graph_model(value):
-                new = self.copy(value)
+                self._owners.append(layer)
+                try:
+                    new = self.copy(value)
+                finally:
+                    self._owners.pop()
             else:
                 if isinstance(value, keras.layers.Layer):
-                    self.swap_within(value, seen)
+                    self._owners.append(layer)
+                    try:
+                        self.swap_within(value, seen)
+                    finally:
+                        self._owners.pop()
                 return value
             self._copies[id(value)] = (value, new)
             if tracker is not None and tracker.is_in_store("layers", value):
@@ -504,13 +519,49 @@ class _Swap:
         if self.leaves(layer):
             self.skipped.append(layer)
             return
+        self._when_built(layer)
         before = self.swaps
-        for value in list(vars(layer).values()):
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-            for item in list(items):
-                if isinstance(item, keras.layers.Layer):
-                    self.retype_within(item, seen)
+        self._owners.append(layer)
+        try:
+            for value in list(vars(layer).values()):
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+                for item in list(items):
+                    if isinstance(item, keras.layers.Layer):
+                        self.retype_within(item, seen)
+        finally:
+            self._owners.pop()
         self.retype_owner(layer, self.swaps > before)
+
+    def _when_built(self, layer) -> None:
+        """Converting, make the batch norm layers that ``layer`` (a fresh copy, not yet
+        built) creates in its own ``build()`` synchronized when it is built: a copy made
+        from its config holds none of them until then, nor does one that
+        :meth:`Synchronized.from_config` rebuilds while a ``.keras`` file loads (they would
+        otherwise train, and load from the file, as plain layers, in silence).
+
+        Keras wraps ``build`` once per object, when it is made; this puts a step after that
+        wrapper: :meth:`retype_within` of ``layer``, and, where it synchronized a layer,
+        the class that saves as converted for ``layer`` and for the layers holding it
+        (:meth:`retype_owner`), as :func:`convert` gives a layer built before it ran."""
+        if (self.target is not SyncBatchNormalization or layer.built or _is_plain_graph_model(layer)
+                or getattr(vars(layer).get("build"), "syncbn_when_built", False)):
+            return
+        keras_build = layer.build
+        owners = list(self._owners)
+
+        @functools.wraps(keras_build)  # its signature, which Keras reads to call it
+        def build(*args, **kwargs):
+            result = keras_build(*args, **kwargs)
+            swap = _Swap.to_sync()
+            swap._owners = list(owners)
+            swap.retype_within(layer, set())
+            if swap.swaps:
+                for owner in owners:
+                    swap.retype_owner(owner, True)
+            return result
+
+        build.syncbn_when_built = True
+        layer.build = build
 
 
 # ---------------------------------------------------------------------- saving
