@@ -921,6 +921,7 @@ def convert_synchronizes_layers_made_in_build():
                 done.append(what)
     return {"cases": len(done)}
 
+
 def exported_pair(build, rng):
     """A plain model of ``build()`` with every weight redrawn, and its converted copy."""
     from syncbn.keras import convert
