@@ -1553,6 +1553,50 @@ def linen_convert_variables_and_revert():
 
 
 @check
+def linen_convert_records_as_the_model():
+    """What Flax records of a call is the model's, not the wrapper's: with
+    capture_intermediates (Flax's filter and one taking every method, with
+    method='encode' too) a converted model, at the top and as a submodule, gives the
+    plain model's intermediates (one '__call__' entry per module, not two: the wrapper
+    shares the model's scope; the values are syncbn's, so within float32's tolerance of
+    Flax's), and tabulate names the model's class on its row."""
+    import jax
+    import flax.linen as nn
+    import syncbn.flax as sf
+
+    Net, _ = linen_models()
+
+    class Parent(nn.Module):
+        body: nn.Module
+
+        def __call__(self, x):
+            return self.body(x) * 2
+
+    x, _ = two_device_batch(56)
+    x = x[0]
+    shapes = lambda tree: jax.tree_util.tree_flatten_with_path(jax.tree.map(np.shape, tree))[0]
+    everything = lambda module, name: True
+    info = {}
+    for label, plain, converted in (("top", Net(), sf.convert(Net())),
+                                    ("submodule", Parent(Net()), Parent(sf.convert(Net())))):
+        variables = plain.init(jax.random.PRNGKey(0), x)
+        runs = [("flax filter", {}, True)]
+        if label == "top":
+            runs += [("every method", {}, everything), ("encode", {"method": "encode"}, everything)]
+        for run, kw, capture in runs:
+            want = plain.apply(variables, x, capture_intermediates=capture, mutable=["intermediates", "batch_stats"],
+                               **kw)[1]["intermediates"]
+            got = converted.apply(variables, x, capture_intermediates=capture, mutable=["intermediates", "batch_stats"],
+                                  **kw)[1]["intermediates"]
+            assert shapes(got) == shapes(want), (label, run, shapes(got), shapes(want))
+            info[f"{label} {run}"] = max(assert_close(f"{label} {run} {i}", a, b, TOL["float32"])
+                                         for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))))
+    table = Parent(sf.convert(Net())).tabulate(jax.random.PRNGKey(0), x, console_kwargs={"width": 240})
+    assert "Synchronized" not in table and " Net " in table, table[-3000:]
+    return info
+
+
+@check
 def linen_context_retraces_cached_functions():
     """with syncbn.flax.convert(axis_name=...): around a pmap'd training step traced
     before, outside the context: inside it the step is traced again and synchronized

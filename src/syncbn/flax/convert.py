@@ -191,6 +191,10 @@ def _on_module(fn):
 _OWN_METHODS = ("__call__", "call_module")
 
 
+def _call(module, *args, **kwargs):
+    return module(*args, **kwargs)
+
+
 def _field_names(module) -> set:
     """The dataclass fields of ``module``'s class, as declared (``name``/``parent`` too)."""
     return {f.name for f in dataclasses.fields(module)}
@@ -217,12 +221,19 @@ class Synchronized(nn.Module):
     def setup(self):
         nn.share_scope(self, self.module)
 
+    # Neither method is a wrapped (recorded) one: the wrapper shares the module's scope, so
+    # Flax would record its call beside the module's own (capture_intermediates: two entries
+    # under '__call__' where the plain model has one; tabulate: the wrapper's row in place of
+    # the module's). Only the module's methods are recorded; setup (the shared scope) runs
+    # first, as Flax runs it before a wrapped method.
+    @nn.nowrap
     def __call__(self, *args, **kwargs):
-        with synchronizing(self.axis_name, self.axis_index_groups):
-            return self.module(*args, **kwargs)
+        return self.call_module(_call, *args, **kwargs)
 
+    @nn.nowrap
     def call_module(self, fn, *args, **kwargs):
         """``fn(module, *args, **kwargs)``, ``module`` bound, its BatchNorms synchronized."""
+        self._try_setup()
         with synchronizing(self.axis_name, self.axis_index_groups):
             return fn(self.module, *args, **kwargs)
 
