@@ -220,12 +220,14 @@ class Synchronized(nn.Module):
 
     def setup(self):
         nn.share_scope(self, self.module)
+        self._syncbn_shared = True  # a setup-defined attribute: reading it runs setup first
 
     # Neither method is a wrapped (recorded) one: the wrapper shares the module's scope, so
     # Flax would record its call beside the module's own (capture_intermediates: two entries
     # under '__call__' where the plain model has one; tabulate: the wrapper's row in place of
     # the module's). Only the module's methods are recorded; setup (the shared scope) runs
-    # first, as Flax runs it before a wrapped method.
+    # first, as Flax runs it before a wrapped method: Flax runs a bound module's setup, once,
+    # when an attribute it defines is first read (None where unbound: Flax's own error follows).
     @nn.nowrap
     def __call__(self, *args, **kwargs):
         return self.call_module(_call, *args, **kwargs)
@@ -233,7 +235,7 @@ class Synchronized(nn.Module):
     @nn.nowrap
     def call_module(self, fn, *args, **kwargs):
         """``fn(module, *args, **kwargs)``, ``module`` bound, its BatchNorms synchronized."""
-        self._try_setup()
+        getattr(self, "_syncbn_shared", None)
         with synchronizing(self.axis_name, self.axis_index_groups):
             return fn(self.module, *args, **kwargs)
 
