@@ -5,7 +5,8 @@ MODE TIMEOUT``) or through :func:`spawned`, one process per rank. Rank 1 trains 
 step, then, in the middle of the second (after the first layer's forward, before the
 second's), ``raise``s in its own code or is ``kill``ed (SIGKILL). Rank 0 goes on into the
 second layer's all-reduce and must end with an error of its own: the process group's,
-within its timeout, never a hang. Each rank prints one line ``rank R: ...``.
+within its timeout (TIMEOUT seconds: the layers' group), never a hang. Each rank prints
+one line ``rank R: ...``.
 """
 
 import datetime
@@ -21,10 +22,16 @@ import torch.nn as nn
 import syncbn
 
 
-def train(mode: str) -> None:
+# the default group's timeout: only its rendezvous, which waits for the slower rank to start
+# (on a loaded machine 10 s were too few: a rank's store wait timed out before the test began)
+RENDEZVOUS = datetime.timedelta(seconds=300)
+
+
+def train(mode: str, group) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.BatchNorm2d(4)))
+    model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.BatchNorm2d(4)),
+                                          process_group=group)
     for step in range(2):
         x = torch.randn(2, 4, 3, 3, requires_grad=True)
         y = model[0](x)
@@ -36,11 +43,14 @@ def train(mode: str) -> None:
         y.sum().backward()
 
 
-def run(mode: str) -> int:
+def run(mode: str, timeout: float) -> int:
+    """Train in a group of both ranks whose timeout is ``timeout`` (made once both have
+    started: the default group's rendezvous waits for the slower one)."""
     rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout))
     start = time.monotonic()
     try:
-        train(mode)
+        train(mode, group)
     except Exception as exc:  # noqa: BLE001 - reported, then the process fails
         print(f"rank {rank}: {type(exc).__name__} after {time.monotonic() - start:.1f} s: "
               f"{str(exc).splitlines()[0][:300]}", flush=True)
@@ -52,17 +62,17 @@ def run(mode: str) -> int:
 def spawned(rank: int, port: int, mode: str, timeout: float, results) -> None:
     """torch.multiprocessing entry point: the outcome line goes to ``results``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=RENDEZVOUS)
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = run(mode)
+        code = run(mode, timeout)
     results.put((rank, code, out.getvalue().strip()))
 
 
 if __name__ == "__main__":
     mode, timeout = sys.argv[1], float(sys.argv[2])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    sys.exit(run(mode))
+    dist.init_process_group("gloo", timeout=RENDEZVOUS)
+    sys.exit(run(mode, timeout))
