@@ -459,18 +459,12 @@ class _Swap:
             elif self.replaces(value):
                 new = self.swapped(value)
             elif _is_graph_model(value):
-                self._owners.append(layer)
-                try:
+                with self._inside(layer):
                     new = self.copy(value)
-                finally:
-                    self._owners.pop()
             else:
                 if isinstance(value, keras.layers.Layer):
-                    self._owners.append(layer)
-                    try:
+                    with self._inside(layer):
                         self.swap_within(value, seen)
-                    finally:
-                        self._owners.pop()
                 return value
             self._copies[id(value)] = (value, new)
             if tracker is not None and tracker.is_in_store("layers", value):
@@ -521,16 +515,22 @@ class _Swap:
             return
         self._when_built(layer)
         before = self.swaps
-        self._owners.append(layer)
-        try:
+        with self._inside(layer):
             for value in list(vars(layer).values()):
                 items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
                 for item in list(items):
                     if isinstance(item, keras.layers.Layer):
                         self.retype_within(item, seen)
+        self.retype_owner(layer, self.swaps > before)
+
+    @contextlib.contextmanager
+    def _inside(self, layer):
+        """Walking the layers ``layer`` holds: it is their innermost owner meanwhile."""
+        self._owners.append(layer)
+        try:
+            yield
         finally:
             self._owners.pop()
-        self.retype_owner(layer, self.swaps > before)
 
     def _when_built(self, layer) -> None:
         """Converting, make the batch norm layers that ``layer`` (a fresh copy, not yet
