@@ -68,6 +68,30 @@ def test_hang_is_bounded():
             small.run(stuck_in_collective, timeout=30)  # gloo's own 5 s timeout fires first
 
 
+SLOW_START = """
+import os, sys, time
+if "--multiprocessing-fork" in sys.argv:  # a worker (not multiprocessing's resource tracker)
+    try:
+        os.close(os.open({flag!r}, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        pass
+    else:  # the first worker to start is {seconds} s late to everything after
+        time.sleep({seconds})
+"""
+
+
+def test_a_slow_start_does_not_count_against_the_timeout(tmp_path, monkeypatch):
+    """One worker starts 15 s after the other (a loaded machine, a cold import cache), with a
+    3 s process-group timeout: the rendezvous waits for both to have imported, so the pool
+    starts and runs a collective instead of failing in ``init_process_group`` (its store
+    gives up a few seconds past the timeout: well before the late worker arrives)."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START.format(flag=str(tmp_path / "first"), seconds=15))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    with WorkerPool(2, timeout=3) as small:
+        assert (tmp_path / "first").exists()  # the delay did happen, in one of the workers
+        assert small.run(whoami, 0) == [(0, 2), (1, 2)]
+
+
 def test_a_rank_left_waiting_on_a_failed_one_is_stopped_after_the_grace():
     """Rank 1 fails, rank 0 waits in a collective for it: the pool stops waiting after its
     grace (10 s), well before the job's and the process group's 120 s, names rank 1 with its

@@ -77,6 +77,12 @@ def _worker_main(rank, world_size, port, backend, timeout_s, threads, tasks, res
     # "Ending a job"; the jobs import syncbn.torch, and with it this module, later)
 
     torch.set_num_threads(threads)
+    # Start the rendezvous only once every rank has imported: ``timeout_s`` is the process
+    # group's, and the first rank in would otherwise wait that long for the slowest one's
+    # imports (seconds on a loaded machine) and give up before any job ran.
+    results.put(pickle.dumps((rank, "imported", None)))
+    if tasks.get() is None:
+        return
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -114,6 +120,9 @@ class WorkerPool:
     failing rank's traceback; a job that does not finish in ``timeout`` seconds shuts
     the pool down and raises ``TimeoutError``, so a hang can never block the caller.
     ``timeout`` is also the process group's timeout: the longest a collective waits.
+    ``start_timeout`` bounds the start: every rank's imports, then the rendezvous, which
+    begins only once all ranks have imported (so a slow import never counts against
+    ``timeout``).
 
     A rank that raises while the others are inside a collective leaves them waiting for
     it. So once a rank has failed, ranks that do not answer within ``failure_grace``
@@ -154,7 +163,11 @@ class WorkerPool:
         ]
         for proc in self._procs:
             proc.start()
-        self._collect("ready", start_timeout)
+        started = time.monotonic()
+        self._collect("imported", start_timeout)
+        for tasks in self._tasks:
+            tasks.put("join")
+        self._collect("ready", max(start_timeout - (time.monotonic() - started), 1.0))
 
     @property
     def alive(self) -> bool:
