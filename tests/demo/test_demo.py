@@ -6,6 +6,7 @@ hang the suite. They check the figures written to results.json, never timings.
 """
 
 import importlib.util
+import json
 import shutil
 import sys
 
@@ -298,3 +299,29 @@ def test_the_bars_are_printed(sync_shift, per_rank_shift, matches, separated):
     assert ("syncbn matches the big batch" in table) == matches
     assert ("WARNING: syncbn is" in table) == (not matches)
     assert ("less than the 100x bar" in table) == (not separated)
+
+
+def test_figures_that_are_not_finite_are_written_as_null(tmp_path, capsys):
+    # a class absent from a small validation set has a NaN IoU (--val-size 4), a diverged run
+    # a NaN loss and an infinite distance to the big batch (--lr 1e6): results.json, written
+    # with allow_nan=False, raised ValueError after every run had trained
+    config = demo.DemoConfig(steps=2, samples=1, out=str(tmp_path))
+    records = {"per_rank_bn": _record("per-rank BN", 1.0), "syncbn": _record("syncbn", np.inf),
+               "big_batch": _record("one process", 0.0)}
+    records["per_rank_bn"].class_iou = [0.5] + [np.nan] * 10
+    records["syncbn"].losses = [1.0, float("nan")]
+    samples = {"images": np.zeros((1, 1, 4, 4), np.float32), "truth": np.zeros((1, 4, 4), np.int64)}
+    report = demo_report.summarize(config, "a test", "none", records, samples, {"model": {"batchnorm_layers": 1}})
+    demo_report.write_report(report, str(tmp_path))
+
+    def refuse(word):
+        raise AssertionError(f"results.json holds {word}, which is not JSON")
+
+    with open(tmp_path / "results.json") as fh:
+        written = json.load(fh, parse_constant=refuse)
+    assert written["runs"]["per_rank_bn"]["val_class_iou"]["background"] == 0.5
+    assert written["runs"]["per_rank_bn"]["val_class_iou"]["9"] is None
+    assert written["runs"]["syncbn"]["final_loss"] is None
+    assert written["syncbn_vs_big_batch"] is None
+    assert written["syncbn_matches_big_batch"] is False
+    assert "WARNING: syncbn is inf away" in capsys.readouterr().out

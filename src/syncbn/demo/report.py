@@ -289,11 +289,24 @@ def write_report(report: dict, out: str) -> None:
     }
     report["files"] = paths
     with open(paths["results"], "w") as fh:
-        json.dump(report, fh, indent=2, allow_nan=False, default=_json_default)
+        json.dump(_json_safe(report), fh, indent=2, allow_nan=False, default=_json_default)
         fh.write("\n")
     _plot_curves(report, paths["curves"])
     _plot_samples(report, samples, paths["samples"])
     print(format_table(report), flush=True)
+
+
+def _json_safe(value):
+    """``value`` with every float that is not finite as None (``null`` in JSON): a class
+    absent from a small validation set has a NaN IoU, a diverged run a NaN loss and an
+    infinite distance to the big batch, and strict JSON has no word for either."""
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    return value
 
 
 def _json_default(value):
