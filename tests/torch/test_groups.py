@@ -95,6 +95,41 @@ def test_two_groups_of_two_each_match_their_own_oracle(pool):
     assert (means[0] - means[1]).abs().min() > 0.1
 
 
+def deepcopy_job():
+    """A model synchronized over this rank's block, fused and plain layers both, and its
+    deep copy (what an EMA copy, timm's ``ModelEmaV3``, makes): the copy holds its own
+    tensors and the very same group, and a training step of each computes alike."""
+    import copy
+
+    import torch.nn as nn
+
+    group = syncbn.sync_groups(GROUP)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(CHANNELS, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1), nn.BatchNorm2d(4)).double()
+    model = syncbn.fuse_batchnorm_act(syncbn.convert_sync_batchnorm(model, process_group=group))
+    twin = copy.deepcopy(model)
+    layers = [m for m in twin.modules() if isinstance(m, (syncbn.SyncBatchNorm, syncbn.SyncBatchNormAct))]
+    x, _ = draw(dist.get_rank(), 0)
+    y, y_twin = model(x), twin(x)
+    return {
+        "kinds": sorted(type(m).__name__ for m in layers),
+        "same_group": [m.process_group is group for m in layers],
+        "own_tensors": not {t.data_ptr() for t in model.state_dict().values()}
+        & {t.data_ptr() for t in twin.state_dict().values()},
+        "placeholder_follows": twin[2]._syncbn_fused_into is twin[1],
+        "equal": torch.equal(y, y_twin) and all(torch.equal(a, b) for a, b in
+                                                 zip(model.state_dict().values(), twin.state_dict().values())),
+    }
+
+
+def test_a_model_on_a_sync_group_deep_copies_with_its_group(pool):
+    """copy.deepcopy of a model converted with process_group=sync_groups(...) raised
+    "cannot pickle 'ProcessGroup' object" (a process group cannot be copied)."""
+    for result in pool.run(deepcopy_job):
+        assert result == {"kinds": ["SyncBatchNorm", "SyncBatchNormAct"], "same_group": [True, True],
+                          "own_tensors": True, "placeholder_follows": True, "equal": True}, result
+
+
 def bad_size_job(size):
     try:
         syncbn.sync_groups(size)

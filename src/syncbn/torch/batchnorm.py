@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Callable, ClassVar
 
@@ -47,6 +48,33 @@ class _SyncNormBase(_BatchNorm):
         if affine and not bias and not _BIAS_KEYWORD:  # torch before the keyword: drop it here
             self.register_parameter("bias", None)
         self.process_group = process_group
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: a copy of every tensor and attribute, as for any module, but
+        the copy synchronizes over the very same ``process_group``. A process group is a
+        handle on ranks, which cannot be copied (torch refuses: "cannot pickle
+        ProcessGroup"), so a model holding layers on an explicit group (``sync_groups``,
+        ``new_group``) could not be deep-copied: no EMA copy (timm's ``ModelEmaV3``), no
+        ``copy.deepcopy(model)`` for a teacher or a snapshot."""
+        group = self.__dict__.get("process_group")
+        if group is not None:
+            memo[id(group)] = group  # deepcopy gives back what the memo holds: the group itself
+            memo.setdefault(id(memo), []).append(group)  # kept alive while the memo is, as copy does
+        # what copy.deepcopy does for an object without this method: rebuild it from its
+        # reduction (nn.Module's: the class, and the state of its __dict__ and any __slots__)
+        build, args, state, *_ = self.__reduce_ex__(4)
+        new = build(*copy.deepcopy(args, memo))
+        memo[id(self)] = new
+        if state is not None:
+            state = copy.deepcopy(state, memo)
+            slots = None
+            if isinstance(state, tuple) and len(state) == 2:
+                state, slots = state
+            if state:
+                new.__setstate__(state)
+            for name, value in (slots or {}).items():
+                setattr(new, name, value)
+        return new
 
     def __prepare_scriptable__(self):
         """``torch.jit.script`` calls this on every submodule before compiling: refuse
