@@ -2,8 +2,12 @@
 a rank left waiting on a failed one stopped after the pool's grace, not its timeout."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -140,6 +144,43 @@ def test_the_interpreting_pool_starts_anew_after_a_shutdown():
         assert interpreting.run(environment, "TRITON_INTERPRET") == ["1"]
     finally:
         interpreting.close()
+
+
+ORPHANED = """
+import os, time
+from syncbn.tools.launch import WorkerPool
+
+with WorkerPool(2, timeout=120) as pool:
+    print(*pool.run(os.getpid), flush=True)
+    pool.run(time.sleep, 600)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_workers_end_when_the_process_that_started_them_is_killed(signum):
+    """The process holding a pool is killed (``kill``, ``timeout``, a CI job cancelled, the
+    OOM killer) while its workers run a job: no cleanup of its own runs, and the workers
+    must end by themselves instead of living on under PID 1 (before, ``syncbn soak``,
+    ``verify`` and ``demo`` sent SIGTERM left their workers training, then waiting
+    forever for a next job)."""
+    parent = subprocess.Popen([sys.executable, "-c", ORPHANED], stdout=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 2, "the pool did not start"
+        time.sleep(1.0)  # the workers are inside time.sleep(600)
+        parent.send_signal(signum)
+        parent.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"workers {[p.pid for p in alive]} outlived the process that started them"
+    finally:
+        parent.kill()
+        parent.wait()
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def test_helpers():

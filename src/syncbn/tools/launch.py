@@ -17,6 +17,7 @@ import os
 import pickle
 import queue
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, List, Optional
@@ -68,7 +69,27 @@ class WorkerError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+def _end_with_parent() -> None:
+    """End this worker as soon as the process that started it is gone.
+
+    A parent killed outright (SIGKILL, the OOM killer, or SIGTERM's default action, which
+    is what ``kill``, ``timeout`` and a cancelled CI job send) runs no cleanup, and a
+    worker waits for its next job forever: its task queue holds a write end of its own.
+    A daemon thread waits on multiprocessing's parent sentinel (a pipe whose other end
+    only the parent holds, readable once the parent has exited) and then exits at once."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="syncbn-parent-watch", daemon=True).start()
+
+
 def _worker_main(rank, world_size, port, backend, timeout_s, threads, tasks, results):
+    _end_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     import torch.distributed as dist
@@ -130,7 +151,8 @@ class WorkerPool:
     down and :class:`WorkerError` names the failed ranks (their tracebacks first) and the
     stuck ones (``WorkerError.stuck``). A job that fails on every rank within the grace
     comes back with every rank's own error, and the pool stays up. A pool that was shut
-    down is not ``alive``; start a new one to go on.
+    down is not ``alive``; start a new one to go on. The workers end by themselves,
+    within a moment, when the process that started them is gone, even killed outright.
     """
 
     def __init__(
