@@ -922,6 +922,149 @@ def convert_synchronizes_layers_made_in_build():
     return {"cases": len(done)}
 
 
+@check
+def unbuilt_copy_saved_loads_synchronized():
+    """A converted copy not yet built, whose batch norm layers a custom layer makes in its
+    own ``build()``, saved to a ``.keras`` file before its first call (Keras only warns):
+    the file names the converted class for that layer (a process without ``syncbn.keras``
+    cannot load it plain), and loaded and built, its batch norm layers are synchronized and
+    a training call matches the float64 oracle. Before the fix the copy, holding no batch
+    norm yet, kept its own class, and the file loaded back plain, without a word. A custom
+    layer that makes none has its own class back once built (weights paths as the plain
+    model's), and ``revert`` of such an unbuilt copy builds plain."""
+    import json
+    import os
+    import tempfile
+    import warnings
+    import zipfile
+
+    import keras
+
+    import keras_oracle as oracle
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    rng = np.random.default_rng(43)
+    LazyBlock, LazyOwner, LazyNet = lazy_classes()
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class LazyHolder(keras.layers.Layer):  # Keras's own build(): the block builds when called
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = LazyBlock(name="block")
+
+        def call(self, x, training=None):
+            return self.block(x, training=training)
+
+    @keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+    class DenseInBuild(keras.layers.Layer):  # makes no batch norm
+        def build(self, input_shape):
+            self.dense = keras.layers.Dense(input_shape[-1], name="dense")
+            self.dense.build(input_shape)
+
+        def call(self, x):
+            return self.dense(x)
+
+    data = (rng.standard_normal((6, 3)) * 2 + 1).astype(np.float32)
+    cases = {  # the model, and the classes of the custom layers in it
+        "layer in a Sequential": (lambda: keras.Sequential([LazyBlock(name="lazy")]), [LazyBlock]),
+        "layer held by a layer": (
+            lambda: keras.Sequential([LazyOwner(name="owner")]), [LazyOwner, LazyBlock]),
+        "layer held by a layer with Keras's build": (
+            lambda: keras.Sequential([LazyHolder(name="holder")]), [LazyHolder, LazyBlock]),
+        "subclassed model": (lambda: LazyNet(name="net"), [LazyNet]),
+    }
+
+    def custom(model):
+        return [layer for layer in every_layer(model) if type(layer).__module__ == __name__
+                or getattr(type(layer), "__qualname__", "").startswith("Synchronized")]
+
+    def saved_classes(path):  # the registered names under which the file saves its objects
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+        found = []
+
+        def visit(value):
+            if isinstance(value, dict):
+                if "registered_name" in value:
+                    found.append(value["registered_name"])
+                for key, item in value.items():
+                    if key != "original":  # the class that syncbn>Synchronized rebuilds
+                        visit(item)
+            elif isinstance(value, list):
+                for item in value:
+                    visit(item)
+
+        visit(config)
+        return found
+
+    done = []
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not yet been built")  # Keras's, saving unbuilt
+        for where, (make, classes) in cases.items():
+            synced = convert(make())
+            assert not synced.built and kinds(synced) == (0, 0), where
+            unbuilt_names = [type(layer).__name__ for layer in custom(synced)]
+            path = os.path.join(tmp, "unbuilt.keras")
+            synced.save(path)
+            for what, model in (("loaded", keras.models.load_model(path)), ("copy", synced),
+                                ("clone_model", keras.models.clone_model(synced))):
+                label = f"{where}, {what}"
+                model(data)  # builds it
+                assert kinds(model) == (0, 1), (label, kinds(model))
+                bn = [layer for layer in every_layer(model) if isinstance(layer, SyncBatchNormalization)][0]
+                owner = [layer for layer in every_layer(model) if getattr(layer, "bn", None) is bn][0]
+                x = np.asarray(owner.dense(data)) if hasattr(owner, "dense") else data
+                before = {w.path.split("/")[-1]: np.asarray(w.numpy(), np.float64) for w in bn.weights}
+                y = np.asarray(model(data, training=True))
+                after = {w.path.split("/")[-1]: np.asarray(w.numpy()) for w in bn.weights}
+                ref = oracle.batch_norm([x], [np.zeros_like(x)], gamma=before["gamma"],
+                                        beta=before["beta"], eps=bn.epsilon, momentum=bn.momentum,
+                                        moving_mean=before["moving_mean"], moving_var=before["moving_variance"])
+                # float32 over 6 rows with |x| <= 20 and |mean| < 3 std (asserted): the mean is off
+                # by about 6 roundings (u = 6e-8) of |x|, the variance by as many relative to
+                # (1 + (mean/std)^2), so xhat (|xhat| < sqrt(5) over 6 rows, gamma 1, beta 0) by
+                # well under 1e-5; the moving statistics, blends of those, by 1e-5 relative
+                assert np.max(np.abs(x)) <= 20 and np.all(np.abs(x.mean(0)) < 3 * x.std(0)), label
+                assert np.all(np.isfinite(y)), label
+                np.testing.assert_allclose(y, ref["y"][0], rtol=2e-5, atol=2e-5, err_msg=label)
+                for name, key in (("moving_mean", "moving_mean"), ("moving_variance", "moving_var")):
+                    np.testing.assert_allclose(after[name], ref[key], rtol=1e-5, atol=1e-6, err_msg=label)
+            # the file names the converted class, never the custom layer's own: without
+            # syncbn.keras, Keras's "Could not locate class" rather than a plain model
+            assert unbuilt_names == [f"Synchronized{cls.__name__}" for cls in classes], (where, unbuilt_names)
+            assert "syncbn>Synchronized" in saved_classes(path), (where, saved_classes(path))
+            assert not any(str(name).startswith("syncbn_roundtrip>") for name in saved_classes(path)), where
+            plain = revert(synced)
+            assert kinds(plain) == (1, 0) and [type(layer) for layer in custom(plain)] == classes, where
+            unbuilt = revert(convert(make()))  # an unbuilt copy's revert: built later, plain
+            unbuilt(data)
+            assert kinds(unbuilt) == (1, 0) and [type(layer) for layer in custom(unbuilt)] == classes, where
+            done.append(where)
+
+        # a custom layer that makes no batch norm: the converted class only until built
+        def make():
+            return keras.Sequential([DenseInBuild(name="custom"), keras.layers.Dense(2, name="head")],
+                                    name="model")
+
+        synced = convert(make())
+        path = os.path.join(tmp, "unbuilt.keras")
+        synced.save(path)
+        reference = make()
+        reference(data)
+        for what, model in (("loaded", keras.models.load_model(path)), ("copy", synced)):
+            assert type(model.layers[0]).__name__ == "SynchronizedDenseInBuild", (what, type(model.layers[0]))
+            model(data)
+            assert type(model.layers[0]) is DenseInBuild, (what, type(model.layers[0]))
+            assert [w.path for w in model.weights] == [w.path for w in reference.weights], what
+            weights = os.path.join(tmp, f"{what}.weights.h5")
+            model.save_weights(weights)
+            reference.load_weights(weights)  # group names by class, as the plain model's
+            for a, b in zip(model.get_weights(), reference.get_weights()):
+                np.testing.assert_array_equal(b, a, err_msg=what)
+        done.append("no batch norm")
+    return {"cases": len(done)}
+
+
 def exported_pair(build, rng):
     """A plain model of ``build()`` with every weight redrawn, and its converted copy."""
     from syncbn.keras import convert

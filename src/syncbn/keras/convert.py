@@ -53,7 +53,10 @@ def convert(model):
     class" error, naming the converted class, ``SynchronizedBlock`` say, or
     ``SyncBatchNormalization``; never a plain model). Batch norm layers that such a layer
     makes in its own ``build()`` (none exist in a copy before it is built) are synchronized
-    when it is built, converting and loading alike.
+    when it is built, converting and loading alike. Until a copy is built, each custom layer
+    in it whose class defines its own ``build()``, and each layer holding one, has that
+    subclass (``SynchronizedBlock``), so that a ``.keras`` file saved before the first call
+    loads back synchronized too; built, one that made no batch norm has its own class back.
 
     Weights files (``.weights.h5``) name a layer's group after its class, so a file
     saved from the original loads into ``convert`` of a model that loaded it (load,
@@ -426,10 +429,14 @@ class _Swap:
         model and held a swapped layer becomes :func:`synchronized_class` of its class;
         reverting, a :class:`Synchronized` layer gets its original class back."""
         if self.target is SyncBatchNormalization:
-            if held_swapped and not _is_plain_graph_model(layer) and not isinstance(layer, Synchronized):
-                layer.__class__ = synchronized_class(type(layer))
-        elif isinstance(layer, Synchronized):
-            layer.__class__ = original_class(type(layer))
+            if held_swapped and not _is_plain_graph_model(layer):
+                if not isinstance(layer, Synchronized):
+                    layer.__class__ = synchronized_class(type(layer))
+                vars(layer).pop(_PROVISIONAL, None)  # converted for good
+        else:
+            if isinstance(layer, Synchronized):
+                layer.__class__ = original_class(type(layer))
+            vars(layer).pop(_PROVISIONAL, None)
 
     # ------------------------------------------------------------------ layers held
 
@@ -542,8 +549,26 @@ class _Swap:
         Keras wraps ``build`` once per object, when it is made; this puts a step after that
         wrapper: :meth:`retype_within` of ``layer``, and, where it synchronized a layer,
         the class that saves as converted for ``layer`` and for the layers holding it
-        (:meth:`retype_owner`), as :func:`convert` gives a layer built before it ran."""
-        if (self.target is not SyncBatchNormalization or layer.built or _is_plain_graph_model(layer)
+        (:meth:`retype_owner`), as :func:`convert` gives a layer built before it ran.
+
+        Until then ``layer`` and the layers holding it (:attr:`_owners`), where none of
+        those is built, have that class provisionally, so that a ``.keras`` file saved
+        before the model's first call (its config the constructor's arguments, which make
+        no batch norm yet) loads back through :meth:`Synchronized.from_config`, which hooks
+        the rebuilt layer again. Once built, each of them that holds no layer still
+        waiting to be built, and was not found to hold a synchronized one, has its own
+        class back (:func:`_settle`). Only a layer whose class defines ``build()`` outside
+        Keras is hooked (Keras's own layers make no batch norm there).
+
+        Reverting, the hook and the provisional mark are taken off ``layer`` (a copy that
+        :meth:`Synchronized.from_config` hooked)."""
+        if self.target is not SyncBatchNormalization:
+            hook = vars(layer).get("build")
+            if getattr(hook, "syncbn_when_built", False):
+                layer.build = hook.syncbn_keras_build
+            vars(layer).pop(_PROVISIONAL, None)
+            return
+        if (layer.built or _is_plain_graph_model(layer) or not _builds_its_own(layer)
                 or getattr(vars(layer).get("build"), "syncbn_when_built", False)):
             return
         keras_build = layer.build
@@ -558,10 +583,44 @@ class _Swap:
             if swap.swaps:
                 for owner in owners:
                     swap.retype_owner(owner, True)
+            for held in [layer, *owners[::-1]]:  # innermost first
+                _settle(held)
             return result
 
         build.syncbn_when_built = True
+        build.syncbn_keras_build = keras_build
         layer.build = build
+        if any(owner.built for owner in owners):
+            return  # part of a built model (a keras_hub task's preprocessor): saved as it is
+        for held in [layer, *owners]:
+            if not _is_plain_graph_model(held) and not isinstance(held, Synchronized):
+                held.__class__ = synchronized_class(type(held))
+                object.__setattr__(held, _PROVISIONAL, True)
+
+
+# a layer of a converted copy that has its synchronized class only until it is built
+# (see _Swap._when_built): the name of its attribute that says so
+_PROVISIONAL = "_syncbn_provisional"
+
+
+def _builds_its_own(layer) -> bool:
+    """Whether ``layer``'s class defines ``build()`` outside Keras (a custom layer's, which
+    may make batch norm layers); Keras's own layers make none there."""
+    module = getattr(getattr(type(layer), "build", None), "__module__", None) or ""
+    return not (module == "keras" or module.startswith("keras."))
+
+
+def _settle(layer) -> None:
+    """Give ``layer``, where it has its synchronized class provisionally (see
+    :meth:`_Swap._when_built`) and holds no layer still waiting to be built with that hook,
+    its own class back: it made no batch norm layer that needs the converted class."""
+    if not vars(layer).get(_PROVISIONAL, False):
+        return
+    for held in layer._flatten_layers(include_self=True, recursive=True):
+        if not held.built and getattr(vars(held).get("build"), "syncbn_when_built", False):
+            return  # decided when that one is built
+    vars(layer).pop(_PROVISIONAL, None)
+    layer.__class__ = original_class(type(layer))
 
 
 # ---------------------------------------------------------------------- saving
@@ -599,7 +658,9 @@ class Synchronized:
             rebuilt = original_class(cls).from_config(config["original"]["config"])
         swap = _Swap.to_sync()
         swap.retype_within(rebuilt, set())
-        if not isinstance(rebuilt, Synchronized):  # held no batch norm: still saves as converted
+        # held no batch norm and none is waiting to be built (a provisional class, which
+        # building settles, see _Swap._when_built): it still saves as converted
+        if not isinstance(rebuilt, Synchronized):
             rebuilt.__class__ = synchronized_class(type(rebuilt))
         return rebuilt
 
