@@ -237,6 +237,20 @@ def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys,
     assert f"syncbn bench: --out {blocker / 'out'}: {blocker} is not a folder" in err, err
 
 
+@pytest.mark.parametrize("shape", [["0", "64", "28", "28"], ["2", "64", "-1", "28"]])
+def test_cuda_counts_refuses_a_shape_that_is_not_positive(shape, capsys, monkeypatch):
+    """A size below 1 ended in each worker's RuntimeError traceback (exit 1); it is a usage
+    error naming the option (exit 2), before any worker starts."""
+    from syncbn.tools import launch
+
+    monkeypatch.setattr(launch, "WorkerPool", lambda *a, **k: pytest.fail("workers started"))
+    with pytest.raises(SystemExit) as info:
+        cuda_counts.main(["--shape", *shape])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python -m syncbn.bench.cuda_counts: error: --shape must be four positive sizes, got {' '.join(shape)}" in err
+
+
 def test_communication_models():
     for c in (1, 64, 256):
         payloads = {communication.syncbn_model(w, c)["forward_payload_bytes"] for w in (2, 8, 1024)}

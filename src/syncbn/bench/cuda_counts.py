@@ -254,10 +254,14 @@ def main(argv=None) -> int:
 
     from ..tools.launch import WorkerPool
 
-    parser = argparse.ArgumentParser(description="syncbn's CUDA path counted on the CPU, per layer call")
-    parser.add_argument("--shape", type=int, nargs=4, default=[2, 64, 28, 28], metavar=("N", "C", "H", "W"))
+    parser = argparse.ArgumentParser(prog="python -m syncbn.bench.cuda_counts",
+                                     description="syncbn's CUDA path counted on the CPU, per layer call")
+    parser.add_argument("--shape", type=int, nargs=4, default=[2, 64, 28, 28], metavar=("N", "C", "H", "W"),
+                        help="one rank's input (default 2 64 28 28)")
     parser.add_argument("-v", "--verbose", action="store_true", help="list the recorded operations")
     args = parser.parse_args(argv)
+    if any(size < 1 for size in args.shape):  # before the workers start, not their tracebacks
+        parser.error(f"--shape must be four positive sizes, got {' '.join(map(str, args.shape))}")
     interpret_triton_in_workers()
     with WorkerPool(2) as pool:
         rep = pool.run(_job, {"shapes": [args.shape], "layouts": ["contiguous", "channels_last"]})[0]
