@@ -922,6 +922,26 @@ def test_process_group_is_set():
     assert out[0].process_group is marker
 
 
+def test_a_group_given_that_a_layer_synchronized_already_does_not_take_is_named():
+    """convert gives a process_group to the layers it converts (torch's SyncBatchNorm
+    included), not to syncbn's layers already in the model, which kept their own group
+    without a word: a model built with syncbn's layers (an mmseg config's SyncBN) and
+    converted with process_group=sync_groups(8) synchronized over the whole world."""
+    given, own = object(), object()
+    model = nn.Sequential(nn.BatchNorm2d(2), syncbn.SyncBatchNorm(2), nn.SyncBatchNorm(2, process_group=own),
+                          syncbn.SyncBatchNorm(2, process_group=given), syncbn.SyncBatchNormAct(2, process_group=own))
+    with pytest.warns(UserWarning, match=r"process_group was given, but 2 layer\(s\) synchronized already keep the "
+                                         r"group they were built or converted with \('1', '4'\).*"
+                                         r"layer\.process_group = process_group"):
+        out = syncbn.convert_sync_batchnorm(model, process_group=given)
+    assert [m.process_group for m in out] == [given, None, given, given, own]  # kept, as before: named only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: no group given, or every layer on it
+        syncbn.convert_sync_batchnorm(model)
+        out[1].process_group = out[4].process_group = given
+        syncbn.convert_sync_batchnorm(model, process_group=given)
+
+
 # ---- issue 13: fusion and conversion that never change what the model computes ----------
 # Each model is compared, in training and eval mode, forward and backward, with a float64
 # copy of itself left unfused (plain BatchNorm + activation).

@@ -566,7 +566,9 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
 
     Works in place on the children (like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``)
     and returns the root, which is a new module when the root itself is a BatchNorm.
-    A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given. A layer
+    A ``torch.nn.SyncBatchNorm`` keeps its own process group unless one is given; syncbn's
+    layers already in the model keep theirs either way (not converted), and a warning names
+    those on another group than a ``process_group`` given. A layer
     registered in several places becomes one synchronized layer held in all of them.
 
     A layer's module hooks, instance attributes and child modules move to its replacement
@@ -598,6 +600,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     decisions = {}
     made = {}  # what the registered conversions made, by the id of the layer they made it of
     total = 0
+    elsewhere = []  # the layers synchronized already over another group than the one given
     for name, m in module.named_modules():
         kind = _classify(m, name)
         if kind == "registered":  # made now, so that strict=True can refuse a clash before any change
@@ -609,6 +612,9 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
         if kind is not None:
             decisions[id(m)] = kind
             total += 1
+        if (kind == "synced" and process_group is not None and isinstance(m, _SyncNormBase)
+                and m.process_group is not process_group):
+            elsewhere.append(name or type(m).__name__)
     local = Counter(
         (f"{type(m).__module__}.{type(m).__qualname__}", decisions[id(m)])
         for m in module.modules()
@@ -641,6 +647,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
     name_layers(result)  # qualified names identify the layers' collectives
     if message:
         warnings.warn(message, stacklevel=2)
+    if elsewhere:
+        warnings.warn(
+            f"syncbn.convert_sync_batchnorm: process_group was given, but {len(elsewhere)} layer(s) synchronized "
+            "already keep the group they were built or converted with "
+            f"({', '.join(map(repr, elsewhere))}): convert gives it only to the layers it converts. Set "
+            "layer.process_group = process_group on those to synchronize them over it too",
+            stacklevel=2,
+        )
     return result
 
 
