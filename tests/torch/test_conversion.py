@@ -942,6 +942,27 @@ def test_a_group_given_that_a_layer_synchronized_already_does_not_take_is_named(
         syncbn.convert_sync_batchnorm(model, process_group=given)
 
 
+def _groups_named():
+    """In a pool worker: the warnings of converting layers on the default group (None) with
+    the world group given, and the reverse (one group), then with another group given."""
+    import torch.distributed as dist
+
+    from workers import group_of
+
+    said = []
+    for built, given in ((None, dist.group.WORLD), (dist.group.WORLD, None), (None, group_of(2))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            syncbn.convert_sync_batchnorm(nn.Sequential(syncbn.SyncBatchNorm(2, process_group=built)),
+                                          process_group=given)
+        said.append(len([w for w in caught if "process_group was given" in str(w.message)]))
+    return said
+
+
+def test_the_default_group_given_as_none_or_as_the_world_group_is_one_group(pool):
+    assert pool.run(_groups_named) == [[0, 0, 1]] * pool.world_size
+
+
 # ---- issue 13: fusion and conversion that never change what the model computes ----------
 # Each model is compared, in training and eval mode, forward and backward, with a float64
 # copy of itself left unfused (plain BatchNorm + activation).

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from . import fingerprint
+from . import distributed, fingerprint
 from .batchnorm import BatchNormNd, SyncBatchNorm, _SyncNormBase
 from .batchnorm_act import SyncBatchNormAct
 
@@ -613,7 +613,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
             decisions[id(m)] = kind
             total += 1
         if (kind == "synced" and process_group is not None and isinstance(m, _SyncNormBase)
-                and m.process_group is not process_group):
+                and not _same_group(m.process_group, process_group)):
             elsewhere.append(name or type(m).__name__)
     local = Counter(
         (f"{type(m).__module__}.{type(m).__qualname__}", decisions[id(m)])
@@ -656,6 +656,12 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, strict: bool =
             stacklevel=2,
         )
     return result
+
+
+def _same_group(a, b) -> bool:
+    """Whether the process groups ``a`` and ``b`` are one (None: the default group)."""
+    world = distributed.default_group()
+    return (world if a is None else a) is (world if b is None else b)
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
