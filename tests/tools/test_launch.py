@@ -183,6 +183,48 @@ def test_workers_end_when_the_process_that_started_them_is_killed(signum):
                 pass
 
 
+INTERRUPTED = """
+import os, time
+from syncbn.tools.launch import WorkerPool
+
+try:
+    with WorkerPool(3, timeout=120) as pool:
+        print(*pool.run(os.getpid), flush=True)
+        pool.run(time.sleep, 600)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_pool_left_by_an_exception_during_a_job_ends_at_once():
+    """Ctrl-C (here SIGINT to the process holding the pool alone, as ``kill -INT`` sends it)
+    while the workers run a job: leaving the ``with`` block must not wait for the job. The
+    polite close asked the busy workers to stop, which they cannot read until their job
+    ends, and waited 10 s for each in turn (40 s for the demo's 4 ranks) before killing it."""
+    parent = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 3, "the pool did not start"
+        time.sleep(1.0)  # the workers are inside time.sleep(600)
+        parent.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        assert parent.stdout.readline().strip() == "interrupted"
+        parent.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        assert elapsed < 15, f"{elapsed:.0f} s from Ctrl-C to the end: the close waited for the busy workers"
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+    finally:
+        parent.kill()
+        parent.wait()
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 def test_helpers():
     assert 0 < free_port() < 65536
     env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in os.environ}

@@ -171,6 +171,7 @@ class WorkerPool:
         self.world_size = world_size
         self.timeout = timeout
         self.failure_grace = failure_grace
+        self._busy = False  # a job was handed out and not every rank has answered it
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
@@ -247,6 +248,7 @@ class WorkerPool:
                     errors[rank] = (TimeoutError(message), message)
                 raise WorkerError(errors, stuck=() if dead else pending)
             raise TimeoutError(message)
+        self._busy = False
         if errors:
             raise WorkerError(errors)
         return values
@@ -257,6 +259,7 @@ class WorkerPool:
             raise RuntimeError("the worker pool is closed")
         if len(per_rank_args) != self.world_size:
             raise ValueError(f"expected {self.world_size} argument tuples, got {len(per_rank_args)}")
+        self._busy = True
         for rank, args in enumerate(per_rank_args):
             self._tasks[rank].put((fn, tuple(args), {}))
         return self._collect(getattr(fn, "__name__", "job"), timeout or self.timeout)
@@ -266,8 +269,11 @@ class WorkerPool:
         return self.run_each(fn, [args] * self.world_size, timeout=timeout)
 
     def close(self, force: bool = False) -> None:
-        """Stop the workers (politely, or at once with ``force``)."""
-        if not force:
+        """Stop the workers (politely, or at once with ``force``). Workers still in a job
+        (the caller left :meth:`run` by an exception, Ctrl-C's ``KeyboardInterrupt`` say)
+        are stopped at once too: they would read the request to stop only once the job
+        is done."""
+        if not force and not self._busy:
             for tasks, proc in zip(self._tasks, self._procs):
                 if proc.is_alive():
                     tasks.put(None)
