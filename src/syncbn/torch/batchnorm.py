@@ -61,8 +61,9 @@ class _SyncNormBase(_BatchNorm):
             memo[id(group)] = group  # deepcopy gives back what the memo holds: the group itself
             memo.setdefault(id(memo), []).append(group)  # kept alive while the memo is, as copy does
         # what copy.deepcopy does for an object without this method: rebuild it from its
-        # reduction (nn.Module's: the class, and the state of its __dict__ and any __slots__)
-        build, args, state, *_ = self.__reduce_ex__(4)
+        # reduction (nn.Module's: the class and its __getstate__, the instance __dict__)
+        reduced = self.__reduce_ex__(4)
+        build, args, state = reduced[0], reduced[1], reduced[2] if len(reduced) > 2 else None
         new = build(*copy.deepcopy(args, memo))
         memo[id(self)] = new
         if state is not None:
