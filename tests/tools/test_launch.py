@@ -225,6 +225,45 @@ def test_a_pool_left_by_an_exception_during_a_job_ends_at_once():
                 pass
 
 
+CTRL_C = """
+import os, time
+from syncbn.tools.launch import WorkerPool
+
+try:
+    with WorkerPool(2, timeout=120) as pool:
+        print(*pool.run(os.getpid), flush=True)
+        time.sleep(600)  # the workers wait for their next job
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_is_handled_by_the_process_holding_the_pool_alone():
+    """Ctrl-C in a terminal sends SIGINT to every process of the foreground group, the
+    workers too. The process holding the pool handles it (it stops them); each worker's
+    own KeyboardInterrupt printed a traceback on the user's terminal."""
+    parent = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    workers = []
+    try:
+        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 2, "the pool did not start"
+        os.killpg(parent.pid, signal.SIGINT)
+        out, err = parent.communicate(timeout=60)
+        assert out.strip() == "interrupted" and parent.returncode == 0
+        assert "Traceback" not in err, err
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+    finally:
+        parent.kill()
+        parent.wait()
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 def test_helpers():
     assert 0 < free_port() < 65536
     env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in os.environ}

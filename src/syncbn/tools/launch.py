@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import threading
 import time
@@ -89,6 +90,10 @@ def _end_with_parent() -> None:
 
 
 def _worker_main(rank, world_size, port, backend, timeout_s, threads, tasks, results):
+    # Ctrl-C reaches every process of the terminal's foreground group: the process holding
+    # the pool handles it and stops the workers; a worker's own KeyboardInterrupt only
+    # printed its traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
