@@ -532,6 +532,9 @@ class _NothingOverriddenSync(syncbn.SyncBatchNorm):
     def extra_repr(self):  # harmless: a plain batch norm keeps it too (it is not the class given back)
         return "mine, " + super().extra_repr()
 
+    def __deepcopy__(self, memo):  # harmless: how a copy is made, not what the layer computes
+        return super().__deepcopy__(memo)
+
 
 class _NothingOverriddenSyncAct(syncbn.SyncBatchNormAct):
     """Overrides only what the plain layers do alike: the text, and the question the input

@@ -74,10 +74,11 @@ _MISSING = object()
 _HARMLESS_METHODS = {"__init__", "_check_input_dim", "extra_repr"}
 # methods of syncbn's synchronized layers beyond torch's batch norm that a subclass may
 # redefine and still revert to a plain batch norm: torch.jit.script's refusal, torch.fx's
-# call of the layer, and the question the input check asks (_check_input_dim is harmless);
+# call of the layer, the question the input check asks (_check_input_dim is harmless), and
+# copy.deepcopy's (how the process group is shared, which a plain layer does not hold);
 # any other (``_momentum``, the running-buffer weight both forwards use) changes what the
 # layer computes, so a subclass redefining it is left as it is by revert
-_SYNC_HARMLESS_METHODS = _HARMLESS_METHODS | {"__prepare_scriptable__", "_fx_leaf", "_holds_channels"}
+_SYNC_HARMLESS_METHODS = _HARMLESS_METHODS | {"__prepare_scriptable__", "_fx_leaf", "_holds_channels", "__deepcopy__"}
 
 
 def _overridden(cls: type, bases: tuple, methods_of: tuple = (_BatchNorm,), harmless: set = _HARMLESS_METHODS) -> list:
