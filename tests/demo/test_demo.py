@@ -198,6 +198,15 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing made, nothing left
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_seed_the_generators_refuse_is_a_usage_error(seed, monkeypatch, capsys):
+    """numpy's generators refuse a negative seed and torch's one of 2**64 or more: the
+    workers' ValueError tracebacks ended the demo with exit 1 (after starting them)."""
+    monkeypatch.setattr(demo_torch, "run", lambda *a, **k: pytest.fail("training started"))
+    assert cli.main(["demo", "--quick", "--seed", str(seed)]) == 2
+    assert f"syncbn demo: --seed must be an integer from 0 to 2**64 - 1, got {seed}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option", ["--world-size", "--steps", "--batch-per-rank"])
 def test_a_count_that_is_not_an_integer_is_named(option, capsys):
     """argparse named the converter ('invalid _positive value') instead of what was expected."""

@@ -122,6 +122,8 @@ def check(config: DemoConfig) -> None:
         raise UsageError(f"--lr must be positive, got {config.lr}")
     if config.background_weight <= 0 or not math.isfinite(config.background_weight):
         raise UsageError(f"--background-weight must be positive, got {config.background_weight}")
+    if not 0 <= config.seed < 2**64:  # what numpy's and torch's generators take
+        raise UsageError(f"--seed must be an integer from 0 to 2**64 - 1, got {config.seed}")
     if config.framework == "torch" and config.backend == "nccl" and config.device != "cuda":
         raise UsageError("--backend nccl needs --device cuda")
     problem = unusable_output(config.out)
