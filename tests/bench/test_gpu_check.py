@@ -2,9 +2,11 @@
 emulated group of two, and the ratios of its summary. (The check itself runs on a GPU:
 ``scripts/gpu-check``; ``python -m syncbn.bench.gpu_check --device cpu`` is its dry run.)"""
 
+import inspect
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,20 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelt_section_is_a_usage_error(tmp_path, capsys):
+    """--sections timings (for timing) ran no section and exited 0 with an empty report: on
+    a GPU machine, its time spent for nothing. The names are argparse choices now."""
+    with pytest.raises(SystemExit) as info:
+        gpu_check.main(["--sections", "timings", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert "argument --sections: invalid choice: 'timings'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    source = inspect.getsource(gpu_check.main)
+    assert all(f'("{name}", {name}_job' in source for name in gpu_check.SECTIONS)  # every choice runs
+    if not torch.cuda.is_available():
+        assert gpu_check.main(["--sections", *gpu_check.SECTIONS, "--out", str(tmp_path / "out")]) == 0
 
 
 def test_unusable_out_is_a_usage_error_before_any_work(tmp_path, capsys):

@@ -619,12 +619,18 @@ def compile_job(device: str) -> list:
              "seconds": round(time.time() - started, 1)}] if rank == 0 else None
 
 
+# the sections, in the order they run
+SECTIONS = ("oracle", "numerics", "counts", "timing", "emulated", "graphs", "deeplab", "compile")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m syncbn.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="syncbn-out/gpu-check")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--sections", nargs="*", help="run only these (default: all)")
+    # named choices: a misspelt section ran nothing and exited 0 (a GPU machine's time spent)
+    parser.add_argument("--sections", nargs="*", choices=SECTIONS, metavar="SECTION",
+                        help=f"run only these ({', '.join(SECTIONS)}; default: all)")
     args = parser.parse_args(argv)
     from ..tools.output import unusable_output
 
