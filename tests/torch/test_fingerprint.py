@@ -452,3 +452,50 @@ def test_two_models_called_in_opposite_orders_raise_on_both_ranks(pool, kind):
     assert f"rank 0 called layer '{first}/0' (8 features), call 0 of the step" in message
     assert f"rank 1 called layer '{second}/0' (8 features), call 0 of the step" in message
     assert moved == [[], []]  # neither model's running statistics took the mixed ones
+
+
+# ---- a layer fused on some ranks only ---------------------------------------------------
+
+
+def fused_on_job(fused_ranks):
+    """Conv, batch norm, LeakyReLU, conv in float64, converted on every rank and fused
+    (SyncBatchNormAct) on ``fused_ranks`` only: one step; returns this rank's input
+    gradient and the first conv's weight gradient."""
+    group = group_of(2)
+    fingerprint.reset()
+    if not in_group(2):
+        return None
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.LeakyReLU(0.1), nn.Conv2d(8, 1, 1)).double()
+        with torch.no_grad():  # not torch's ones and zeros, so that the affine terms count
+            model[1].weight.uniform_(0.5, 2.0)
+            model[1].bias.uniform_(-1.0, 1.0)
+        model = syncbn.convert_sync_batchnorm(model)
+        if dist.get_rank() in fused_ranks:
+            model = syncbn.fuse_batchnorm_act(model)
+        on_group(model, group)
+        rank = dist.get_rank()
+        x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(rank), dtype=torch.float64) * 3 + 1
+        x.requires_grad_()
+        model(x).square().sum().backward()
+        return type(model[1]).__name__, x.grad, model[0].weight.grad
+    finally:
+        fingerprint.reset()
+
+
+def test_a_layer_fused_on_one_rank_only_sums_like_with_like(pool):
+    """SyncBatchNorm and SyncBatchNormAct of one name and width share the fingerprint, so
+    their backward sums are added together: the fused layer sent sum dy xhat where the
+    other sent sum dy (x - mean), and both ranks' gradients came out wrong without an
+    error (the first conv's weight gradient changed sign). Now every path sends the
+    latter. Tolerance: float64 throughout, a few dozen operations on sums of 100
+    elements of order 1 to 10 in either form: rounding far below 1e-9 relative, where the
+    mixed sums were off by order 1."""
+    plain = pool.run(fused_on_job, (), timeout=120)[:2]
+    mixed = pool.run(fused_on_job, (1,), timeout=120)[:2]
+    assert [m[0] for m in mixed] == ["SyncBatchNorm", "SyncBatchNormAct"]
+    for want, got in zip(plain, mixed):
+        for a, b in zip(want[1:], got[1:]):
+            scale = float(a.abs().max())
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9 * scale)

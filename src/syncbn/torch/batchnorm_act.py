@@ -406,13 +406,18 @@ class _SyncBatchNormAct(torch.autograd.Function):
                 sum_dy_xhat.index_copy_(0, keep_idx, s2)
 
         dx = None
-        packed = torch.cat([sum_dy, sum_dy_xhat])
         if ctx.syncing:  # also without an input gradient here (another rank may need one)
+            # the payload of every synchronized path, [sum dy, sum dy (x - mean)], not sum
+            # dy xhat: a rank whose layer is a SyncBatchNorm (not fused there) sums with this
+            # one under the same fingerprint (same name and width), and mixed sums were wrong
+            packed = torch.cat([sum_dy, sum_dy_xhat / invstd])
             packed, _ = fingerprint.all_reduce_checked(
                 packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
             )
+            total_dy, total_dy_xhat = packed[:channels], packed[channels:] * invstd
+        else:
+            total_dy, total_dy_xhat = sum_dy, sum_dy_xhat
         if need_x:
-            total_dy, total_dy_xhat = packed[:channels], packed[channels:]
             if y.numel() == 0:
                 dx = torch.zeros_like(y)
             else:
