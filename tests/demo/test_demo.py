@@ -7,7 +7,9 @@ hang the suite. They check the figures written to results.json, never timings.
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -180,6 +182,40 @@ def test_restarted_process_gets_the_same_config():
 def test_nccl_needs_cuda(capsys):
     assert cli.main(["demo", "--backend", "nccl", "--device", "cpu"]) == 2
     assert "--backend nccl needs --device cuda" in capsys.readouterr().err
+
+
+CUDA_ON_JAX = """
+import sys
+import jax
+try:
+    jax.devices("gpu")
+    print("this machine has a GPU for JAX")
+    sys.exit(0)
+except RuntimeError:
+    pass
+from syncbn.demo.config import DemoConfig
+from syncbn.demo.keras import _jax_devices
+try:
+    devices = _jax_devices(DemoConfig(framework="flax", device="cuda", world_size=1))
+except SystemExit as refused:
+    print("refused:", refused)
+else:
+    print("ran on", devices)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
+def test_cuda_on_jax_without_a_gpu_is_refused_not_run_on_the_cpu():
+    """``--device cuda`` for the Flax and Keras-on-JAX demos: ``jax.devices()`` falls back to
+    the CPU where there is no GPU, so one replica ran there in silence, and more were
+    refused as "JAX sees 1" (the CPU counted as a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-c", CUDA_ON_JAX], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    if "has a GPU" in proc.stdout:
+        pytest.skip("JAX sees a GPU here")
+    assert proc.stdout.startswith("refused: syncbn demo: --device cuda: 1 replicas on GPUs need 1 GPUs, JAX sees 0"), \
+        proc.stdout
 
 
 def test_an_output_folder_that_cannot_be_made_is_refused_before_training(tmp_path, monkeypatch, capsys):

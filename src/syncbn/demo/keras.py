@@ -86,7 +86,16 @@ def _jax_devices(config: DemoConfig) -> List[str]:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    found = jax.devices()
-    if len(found) < world:
-        raise SystemExit(f"syncbn demo: {world} replicas need {world} JAX devices, JAX sees {len(found)}")
+    if config.device == "cuda":  # GPUs only: jax.devices() falls back to the CPU without one
+        try:
+            found = jax.devices("gpu")
+        except RuntimeError:  # no GPU backend at all
+            found = []
+        if len(found) < world:
+            raise SystemExit(f"syncbn demo: --device cuda: {world} replicas on GPUs need {world} GPUs, "
+                             f"JAX sees {len(found)}")
+    else:
+        found = jax.devices()
+        if len(found) < world:
+            raise SystemExit(f"syncbn demo: {world} replicas need {world} JAX devices, JAX sees {len(found)}")
     return [f"{d.platform}:{d.id}" for d in found[:world]]
