@@ -1,6 +1,7 @@
 """The local worker pool: results in rank order, errors reported with their rank, hangs bounded,
 a rank left waiting on a failed one stopped after the pool's grace, not its timeout."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -146,6 +147,27 @@ def test_the_interpreting_pool_starts_anew_after_a_shutdown():
         interpreting.close()
 
 
+@contextlib.contextmanager
+def holding_a_pool(script, world_size, **popen):
+    """``(parent, workers)``: a Python process running ``script``, which starts a pool of
+    ``world_size`` workers and prints their pids, and those workers (psutil); whatever
+    the test leaves running is killed afterwards."""
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, **popen)
+    workers = []
+    try:
+        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+        assert len(workers) == world_size, "the pool did not start"
+        yield parent, workers
+    finally:
+        parent.kill()
+        parent.wait()
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 ORPHANED = """
 import os, time
 from syncbn.tools.launch import WorkerPool
@@ -163,24 +185,12 @@ def test_workers_end_when_the_process_that_started_them_is_killed(signum):
     must end by themselves instead of living on under PID 1 (before, ``syncbn soak``,
     ``verify`` and ``demo`` sent SIGTERM left their workers training, then waiting
     forever for a next job)."""
-    parent = subprocess.Popen([sys.executable, "-c", ORPHANED], stdout=subprocess.PIPE, text=True)
-    workers = []
-    try:
-        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
-        assert len(workers) == 2, "the pool did not start"
+    with holding_a_pool(ORPHANED, 2) as (parent, workers):
         time.sleep(1.0)  # the workers are inside time.sleep(600)
         parent.send_signal(signum)
         parent.wait(timeout=30)
         _, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, f"workers {[p.pid for p in alive]} outlived the process that started them"
-    finally:
-        parent.kill()
-        parent.wait()
-        for worker in workers:
-            try:
-                worker.kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 INTERRUPTED = """
@@ -201,11 +211,7 @@ def test_a_pool_left_by_an_exception_during_a_job_ends_at_once():
     while the workers run a job: leaving the ``with`` block must not wait for the job. The
     polite close asked the busy workers to stop, which they cannot read until their job
     ends, and waited 10 s for each in turn (40 s for the demo's 4 ranks) before killing it."""
-    parent = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, text=True)
-    workers = []
-    try:
-        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
-        assert len(workers) == 3, "the pool did not start"
+    with holding_a_pool(INTERRUPTED, 3) as (parent, workers):
         time.sleep(1.0)  # the workers are inside time.sleep(600)
         parent.send_signal(signal.SIGINT)
         start = time.monotonic()
@@ -215,14 +221,6 @@ def test_a_pool_left_by_an_exception_during_a_job_ends_at_once():
         assert elapsed < 15, f"{elapsed:.0f} s from Ctrl-C to the end: the close waited for the busy workers"
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive
-    finally:
-        parent.kill()
-        parent.wait()
-        for worker in workers:
-            try:
-                worker.kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 CTRL_C = """
@@ -242,26 +240,13 @@ def test_ctrl_c_is_handled_by_the_process_holding_the_pool_alone():
     """Ctrl-C in a terminal sends SIGINT to every process of the foreground group, the
     workers too. The process holding the pool handles it (it stops them); each worker's
     own KeyboardInterrupt printed a traceback on the user's terminal."""
-    parent = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
-    workers = []
-    try:
-        workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
-        assert len(workers) == 2, "the pool did not start"
+    with holding_a_pool(CTRL_C, 2, stderr=subprocess.PIPE, start_new_session=True) as (parent, workers):
         os.killpg(parent.pid, signal.SIGINT)
         out, err = parent.communicate(timeout=60)
         assert out.strip() == "interrupted" and parent.returncode == 0
         assert "Traceback" not in err, err
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive
-    finally:
-        parent.kill()
-        parent.wait()
-        for worker in workers:
-            try:
-                worker.kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 def test_helpers():
