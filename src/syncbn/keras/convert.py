@@ -562,14 +562,13 @@ class _Swap:
 
         Reverting, the hook and the provisional mark are taken off ``layer`` (a copy that
         :meth:`Synchronized.from_config` hooked)."""
+        hook = _build_hook(layer)
         if self.target is not SyncBatchNormalization:
-            hook = vars(layer).get("build")
-            if getattr(hook, "syncbn_when_built", False):
+            if hook is not None:
                 layer.build = hook.syncbn_keras_build
             vars(layer).pop(_PROVISIONAL, None)
             return
-        if (layer.built or _is_plain_graph_model(layer) or not _builds_its_own(layer)
-                or getattr(vars(layer).get("build"), "syncbn_when_built", False)):
+        if layer.built or _is_plain_graph_model(layer) or not _builds_its_own(layer) or hook is not None:
             return
         keras_build = layer.build
         owners = list(self._owners)
@@ -603,6 +602,12 @@ class _Swap:
 _PROVISIONAL = "_syncbn_provisional"
 
 
+def _build_hook(layer):
+    """The ``build`` that :meth:`_Swap._when_built` put on ``layer``, or None."""
+    hook = vars(layer).get("build")
+    return hook if getattr(hook, "syncbn_when_built", False) else None
+
+
 def _builds_its_own(layer) -> bool:
     """Whether ``layer``'s class defines ``build()`` outside Keras (a custom layer's, which
     may make batch norm layers); Keras's own layers make none there."""
@@ -617,7 +622,7 @@ def _settle(layer) -> None:
     if not vars(layer).get(_PROVISIONAL, False):
         return
     for held in layer._flatten_layers(include_self=True, recursive=True):
-        if not held.built and getattr(vars(held).get("build"), "syncbn_when_built", False):
+        if not held.built and _build_hook(held) is not None:
             return  # decided when that one is built
     vars(layer).pop(_PROVISIONAL, None)
     layer.__class__ = original_class(type(layer))
