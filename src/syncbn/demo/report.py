@@ -310,7 +310,7 @@ def _json_safe(value):
 
 
 def _json_default(value):
-    if isinstance(value, (np.floating, np.integer)):
+    if isinstance(value, np.integer):  # numpy floats were made Python floats by _json_safe
         return value.item()
     raise TypeError(f"cannot write {type(value).__name__} to JSON")
 
