@@ -109,6 +109,40 @@ def test_a_factory_or_module_that_raises_is_a_usage_error(tmp_path, capsys):
     assert time.monotonic() - start < 30
 
 
+def test_a_model_without_batchnorm_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """A model with no BatchNorm layer (the wrong factory, or only norms syncbn does not
+    convert: GroupNorm, a BatchNorm inside TorchScript) PASSed with "(no BatchNorm layer in
+    this model)" and exit 0, having compared nothing but its parameters. It is refused before
+    any rank starts (exit 2 from the command, UsageError from verify()), naming the model and
+    its normalization layers; the report of a run with no layer is a FAIL, never a PASS."""
+    from syncbn.tools import launch
+
+    (tmp_path / "no_bn.py").write_text(
+        "import torch, torch.nn as nn\n\n"
+        "def group():\n    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU())\n\n"
+        "def scripted():\n    return nn.Sequential(nn.Conv2d(3, 4, 3), torch.jit.script(nn.BatchNorm2d(4)))\n"
+    )
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a worker pool was started for a model with nothing to verify")
+
+    monkeypatch.setattr(launch, "WorkerPool", no_pool)
+    target = str(tmp_path / "no_bn.py") + ":group"
+    assert verify.main([target, "--input-shape", SHAPE]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"syncbn verify: {target} builds a model with no BatchNorm layer (its normalization layers: GroupNorm), " \
+           "so there is nothing to verify" in captured.err, captured.err
+    assert "torch.nn.SyncBatchNorm" in captured.err and "Check that MODULE:FACTORY names the model" in captured.err
+    assert verify.main([str(tmp_path / "no_bn.py") + ":scripted", "--input-shape", SHAPE]) == 2
+    assert "(its normalization layers: TorchScript BatchNorm2d)" in capsys.readouterr().err
+    spec = verify.VerifySpec(target, (2, 3, 8, 8))
+    with pytest.raises(verify.UsageError, match="no BatchNorm layer"):
+        verify.verify(spec, out=io.StringIO())
+    report = verify.format_report(spec, [], (0.0, "", 0.0, []), ok=True)
+    assert report.splitlines()[-1] == "FAIL: no BatchNorm layer was compared, so nothing was verified"
+
+
 def _verdict(ours, reference, tolerance=1e-6):
     """``verify.compare``'s verdict for one layer output, one buffer and one parameter,
     where both ranks report ``ours`` and the one-process reference is ``reference``

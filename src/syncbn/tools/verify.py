@@ -36,7 +36,8 @@ processes trains exactly like one process on the concatenated batch.
    comparison can mean anything, and verify FAILs saying so. So it does when the one-process
    run itself gives NaN or inf (the model diverges at this learning rate, dtype or input).
 
-Exit status 0 on PASS, 1 on FAIL (or when the run failed), 2 for a usage error.
+Exit status 0 on PASS, 1 on FAIL (or when the run failed), 2 for a usage error (a model
+with no BatchNorm layer, where nothing can be verified, is one).
 
 A model that uses a BN layer in a way the ranks do not share (a layer skipped on some
 ranks, or called more often on one rank than on another) would leave a rank waiting
@@ -214,6 +215,28 @@ def _check_runs_here(spec: VerifySpec) -> None:
             "Check --input-shape (the channel count and sizes the model takes) and that the model runs "
             "without syncbn"
         ) from exc
+    if not _bn_layers(model):  # after the forward: a layer built on the first call counts
+        raise UsageError(_no_batchnorm(spec, model))
+
+
+def _no_batchnorm(spec: VerifySpec, model) -> str:
+    """Why a model without a BatchNorm layer is refused: nothing in it is synchronized, so
+    nothing would be compared but its parameters, and a PASS would vouch for nothing."""
+    import torch
+
+    names = (f"TorchScript {m.original_name}" if isinstance(m, torch.jit.ScriptModule) else type(m).__name__
+             for m in model.modules())
+    norms = sorted({name for name in names if "norm" in name.lower()})
+    found = f" (its normalization layers: {', '.join(norms)})" if norms else ""
+    return (
+        f"{spec.target} builds a model with no BatchNorm layer{found}, so there is nothing to verify. "
+        "A BatchNorm layer here is an instance of torch's _BatchNorm (BatchNorm1d/2d/3d, their Lazy forms, "
+        "torch.nn.SyncBatchNorm, syncbn's layers, subclasses such as timm's BatchNormAct2d): the layers "
+        "convert_sync_batchnorm synchronizes. Check that MODULE:FACTORY names the model you meant; "
+        "GroupNorm, LayerNorm, InstanceNorm and hand-written normalizations have no statistics across "
+        "the batch to synchronize; a BatchNorm inside TorchScript (torch.jit.script or trace) is not "
+        "converted: give verify the factory of the model before scripting"
+    )
 
 
 def rank_input(spec: VerifySpec, step: int, rank: int, nudge: int = 0):
@@ -717,7 +740,7 @@ def format_report(
             f"{r.name:<{width}}  {r.calls:>10}  {_fmt(r.output):>9}  {_fmt(r.running_mean):>9}  "
             f"{_fmt(r.running_var):>9}  {_fmt(r.limit):>7}  {flag}{mark}"
         )
-    if not rows:
+    if not rows:  # (verify refuses such a model before it starts: _check_runs_here)
         lines.append("(no BatchNorm layer in this model)")
     lines.append("")
     lines.append(
@@ -748,6 +771,8 @@ def format_report(
             "compared with anything: the model diverges or computes NaN at this input, learning rate and "
             "dtype. Make it train in one process first (a smaller --lr, another --dtype or input shape)."
         )
+    elif not rows:
+        lines.append("FAIL: no BatchNorm layer was compared, so nothing was verified")
     else:
         lines.append(
             "PASS: syncbn reproduces one process on the concatenated batch"
@@ -809,6 +834,10 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
     ``pool``: an existing :class:`syncbn.tools.launch.WorkerPool` of ``spec.world_size`` ranks
     to run on (its own process-group timeout then applies); by default one is started
     with ``spec.timeout`` and stopped afterwards.
+
+    Raises ``syncbn.tools.usage.UsageError`` (what ``syncbn verify`` reports with exit
+    status 2) before any rank starts for an option no run can honour, a factory or input
+    shape that fails in this process, and a model with no BatchNorm layer (nothing to verify).
     """
     out = out or sys.stdout
     from .launch import WorkerError, WorkerPool
@@ -844,7 +873,7 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
         rows, params = _merge(rows, params, step_rows, step_params, step)
         ok &= step_ok
         del runs
-    ok = ok and not (random or not_finite)
+    ok = ok and bool(rows) and not (random or not_finite)
     print(format_report(spec, rows, params, ok, ranks[0]["notes"], random, not_finite), file=out)
     out.flush()
     return 0 if ok else 1
