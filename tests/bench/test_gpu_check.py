@@ -37,6 +37,18 @@ def test_a_misspelt_section_is_a_usage_error(tmp_path, capsys):
         assert gpu_check.main(["--sections", *gpu_check.SECTIONS, "--out", str(tmp_path / "out")]) == 0
 
 
+@pytest.mark.parametrize("repeats", ["0", "-3", "many"])
+def test_repeats_that_time_no_step_are_a_usage_error(tmp_path, capsys, repeats):
+    """--repeats 0 (or fewer) timed no step: every timing section's median of nothing was a
+    StatisticsError in the report, and the check exited 0. It is a usage error (exit 2,
+    naming --repeats) before anything runs."""
+    with pytest.raises(SystemExit) as info:
+        gpu_check.main(["--repeats", repeats, "--sections", "timing", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert "argument --repeats: expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unusable_out_is_a_usage_error_before_any_work(tmp_path, capsys):
     """--out under a regular file: exit 2 with one line naming --out, before the GPU
     question (a machine without one would otherwise exit 0) and without making anything."""

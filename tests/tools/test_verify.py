@@ -234,12 +234,14 @@ def test_zero_tolerance_asks_for_an_exact_match():
 @pytest.mark.parametrize(
     "option,value",
     [("--tolerance", "-1"), ("--tolerance", "nan"), ("--timeout", "0"), ("--timeout", "-5"), ("--lr", "nan"),
-     ("--lr", "inf"), ("--seed", "-1"), ("--seed", str(2**64 - 1))],
+     ("--lr", "inf"), ("--lr", "-0.05"), ("--lr", "0"), ("--seed", "-1"), ("--seed", str(2**64 - 1))],
 )
 def test_options_that_cannot_be_honoured_exit_2(capsys, option, value):
     """A negative tolerance made every allowance negative, so every difference passed (a BN
     left local included); a timeout of 0 or less killed the workers as they connected; a
-    NaN or infinite learning rate ran every rank and then FAILed as if the model diverged;
+    NaN or infinite learning rate ran every rank and then FAILed as if the model diverged; a
+    negative one FAILed as a distributed run with every rank's ValueError from torch's SGD, and
+    0 PASSed (exit 0) with no parameter ever moved;
     a seed of 2**64 - 1 overflowed torch's generator for the data (a ValueError traceback)."""
     assert verify.main(["verify_models:twice", "--input-shape", SHAPE, option, value]) == 2
     assert f"{option} must be" in capsys.readouterr().err

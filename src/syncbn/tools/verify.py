@@ -105,8 +105,11 @@ class VerifySpec:
 def _check_spec(spec: VerifySpec) -> None:
     """Raise :class:`UsageError` for options no run can honour: a negative (or NaN)
     tolerance would make every allowance negative, and every difference pass; a timeout
-    that is not positive kills the workers before they connect; a seed of 2**64 or more (or
-    one that derived seeds push there) overflowed torch's generators in a traceback."""
+    that is not positive kills the workers before they connect; a learning rate of 0 never
+    moves the parameters (their comparison checks nothing), a negative one failed on every
+    rank in torch's SGD (a traceback reported as a distributed FAIL);
+    a seed of 2**64 or more (or one that derived seeds push there) overflowed torch's
+    generators in a traceback."""
     if spec.world_size < 2:
         raise UsageError("--world-size must be at least 2")
     if spec.steps < 1:
@@ -117,8 +120,8 @@ def _check_spec(spec: VerifySpec) -> None:
         raise UsageError(f"--tolerance must be a finite number >= 0, got {spec.tolerance}")
     if not 0.0 < spec.timeout < float("inf"):
         raise UsageError(f"--timeout must be a positive number of seconds, got {spec.timeout}")
-    if not abs(spec.lr) < float("inf"):
-        raise UsageError(f"--lr must be a finite number, got {spec.lr}")
+    if not 0.0 < spec.lr < float("inf"):
+        raise UsageError(f"--lr must be a positive finite number, got {spec.lr}")
     if not 0 <= spec.seed < 2**32:  # the data's and loss weights' seeds derive from it
         raise UsageError(f"--seed must be an integer from 0 to 2**32 - 1, got {spec.seed}")
 
@@ -803,7 +806,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, metavar="K", help="training steps (default 3)")
     parser.add_argument("--dtype", choices=_DTYPES, default="float64", help="model and data dtype (default float64)")
     parser.add_argument("--tolerance", type=float, default=None, help="difference on the natural scale that passes whatever the conditioning (default 100 ulp: 2.2e-14 in float64, 1.2e-5 in float32)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, a positive finite number (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights (torch.manual_seed before the factory runs), the data and the loss weights: 0 to 2**32 - 1 (default 0)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="process-group timeout: the longest any collective may wait (default 60); ranks left waiting on a rank that raised are stopped sooner")
 
