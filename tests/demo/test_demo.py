@@ -346,6 +346,28 @@ def test_the_bars_are_printed(sync_shift, per_rank_shift, matches, separated):
     assert ("less than the 100x bar" in table) == (not separated)
 
 
+@pytest.mark.parametrize("title, unit", [("per-rank BN under DDP", "rank"), ("per-replica BN, MirroredStrategy", "replica"),
+                                         ("per-device BN, pmap", "device")])
+def test_one_rank_has_no_separation_bar(tmp_path, capsys, title, unit):
+    """With one rank, per-rank BN normalizes the whole global batch like the big batch, so it
+    cannot be 100x further away: syncbn demo --framework flax --world-size 1 --quick printed
+    "per-device BN is 0x further away (0.0e+00), WARNING: less than the 100x bar". The table
+    says why there is no separation instead, and results.json has null for it."""
+    config = demo.DemoConfig(world_size=1, steps=2, samples=1, out=str(tmp_path))
+    records = {"per_rank_bn": _record(title, 0.0), "syncbn": _record("syncbn, somewhere", 2e-6),
+               "big_batch": _record("one process", 0.0)}
+    samples = {"images": np.zeros((1, 1, 4, 4), np.float32), "truth": np.zeros((1, 4, 4), np.int64)}
+    report = demo_report.summarize(config, "a test", "none", records, samples, {"model": {"batchnorm_layers": 1}})
+    assert report["syncbn_matches_big_batch"] is True and report["per_rank_bn_further_away"] is None
+    demo_report.write_report(report, str(tmp_path))
+    table = capsys.readouterr().out
+    assert "WARNING" not in table and "further away" not in table, table
+    assert (f"; with one {unit}, per-{unit} BN normalizes the whole global batch too (0.0e+00 away), so the runs "
+            f"cannot separate: the 100x bar needs 2 or more {unit}s (--world-size).") in table, table
+    with open(tmp_path / "results.json") as fh:
+        assert json.load(fh)["per_rank_bn_further_away"] is None
+
+
 def test_figures_that_are_not_finite_are_written_as_null(tmp_path, capsys):
     # a class absent from a small validation set has a NaN IoU (--val-size 4), a diverged run
     # a NaN loss and an infinite distance to the big batch (--lr 1e6): results.json, written

@@ -271,7 +271,10 @@ def summarize(config, setup: str, launcher: str, records: Dict[str, RunRecord], 
         "bar": DIFF_BAR,
         "separation_bar": SEPARATION_BAR,
         "syncbn_matches_big_batch": bool(sync_diff < DIFF_BAR),
-        "per_rank_bn_further_away": bool(per_rank_diff >= SEPARATION_BAR * sync_diff),
+        # with one rank, per-rank BN normalizes the whole global batch, as the big batch does:
+        # its distance is rounding like syncbn's, and no separation can exist (None: null)
+        "per_rank_bn_further_away": (bool(per_rank_diff >= SEPARATION_BAR * sync_diff)
+                                     if config.world_size > 1 else None),
         "_samples": {"images": samples["images"], "truth": samples["truth"],
                      "predictions": {name: records[name].predictions for name in RUNS}},
     })
@@ -344,11 +347,16 @@ def format_table(report: dict) -> str:
     else:
         verdict = f"WARNING: syncbn is {sync:.1e} away from the big batch, above the {report['bar']:.0e} bar"
     first = runs["per_rank_bn"]["title"].split(",")[0].replace(" under DDP", "")  # "per-rank BN"
-    if sync > 0:
+    if report["per_rank_bn_further_away"] is None:  # one rank: nothing to separate
+        unit = first.split("-")[-1].split()[0]  # "rank", "replica", "device"
+        verdict += (f"; with one {unit}, {first} normalizes the whole global batch too ({per_rank:.1e} away), "
+                    f"so the runs cannot separate: the {report['separation_bar']:.0f}x bar needs 2 or more "
+                    f"{unit}s (--world-size)")
+    elif sync > 0:
         verdict += f"; {first} is {per_rank / sync:.0f}x further away ({per_rank:.1e})"
     else:
         verdict += f"; {first} is {per_rank:.1e} away"
-    if not report["per_rank_bn_further_away"]:
+    if report["per_rank_bn_further_away"] is False:
         verdict += f", WARNING: less than the {report['separation_bar']:.0f}x bar"
     lines.append(verdict + ".")
     files = report.get("files", {})
