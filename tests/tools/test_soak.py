@@ -39,6 +39,30 @@ def test_a_run_that_ends_within_the_warm_up_fails(pool):
     assert not result["passed"] and "no sample after the warm-up" in result["verdict"], "\n".join(lines)
 
 
+def figures_from(rss_by_sample):
+    """A stand-in for a pool's ``run`` that hands out each sample of ``rss_by_sample`` (one
+    resident-memory figure in bytes per rank) in turn, with flat descriptors and threads."""
+    samples = iter(rss_by_sample)
+    step = [0]
+
+    def run(fn, world, chunk):
+        step[0] += chunk
+        return [{"step": step[0], "rss": rss, "fds": 9, "threads": 3} for rss in next(samples)]
+
+    return run
+
+
+@pytest.mark.parametrize("growth, allowed, passed", [
+    (0, 0.0, True), (2**20, 1.0, True), (2**20 + 1, 1.0, False), (1, 0.0, False)])
+def test_growth_up_to_the_allowance_passes(growth, allowed, passed):
+    """"Grows by more than --max-growth-mb" fails: growth equal to it passes (with
+    --max-growth-mb 0, which the CLI accepts, a flat run passed no soak before)."""
+    base = 100 * 2**20
+    run = figures_from([[base, base], [base, base], [base, base + growth]])
+    result = soak(run, 2, steps=30, every=10, warmup=10, max_growth_mb=allowed, say=lambda line: None)
+    assert result["passed"] is passed, result["verdict"]
+
+
 def test_arguments_that_measure_nothing_are_usage_errors(capsys):
     from syncbn.cli import main
 

@@ -149,7 +149,7 @@ def soak(run_job: Callable, world: int, steps: int, every: int, warmup: int, max
         lines.append(f"rank {rank}: RSS growth after step {base[0]['step']}: {growth / 2**20:+.2f} MB "
                      f"(last {(after[-1][rank]['rss'] - base[rank]['rss']) / 2**20:+.2f} MB); "
                      f"fds {sorted(fds)}; threads {sorted(threads)}")
-        if growth >= max_growth_mb * 2**20:
+        if growth > max_growth_mb * 2**20:
             problems.append(f"rank {rank} grew {growth / 2**20:.2f} MB")
         if len(fds) > 1 or len(threads) > 1:
             problems.append(f"rank {rank}'s descriptors or threads changed")
