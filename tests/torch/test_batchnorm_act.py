@@ -373,14 +373,14 @@ def test_one_collective_each_way(pool, world, zero_weights):
     for r in pool.run(count_job, world, channels, True, "train", zero_weights)[:world]:
         f = fingerprint.SIZE  # the layer fingerprint rides along
         assert r["forward"] == [("all_reduce", [[2 * channels + 1 + f]], ["double"])]
-        assert r["backward"] == [("all_reduce", [[2 * channels + f]], ["float"])]
+        assert r["backward"] == [("all_reduce", [[2 * channels + 1 + f]], ["float"])]
 
 
 def test_backward_collective_also_without_input_grad(pool):
     channels, f = 6, fingerprint.SIZE
     for r in pool.run(count_job, 4, channels, False, "train", False):
         assert len(r["forward"]) == 1
-        assert r["backward"] == [("all_reduce", [[2 * channels + f]], ["float"])]
+        assert r["backward"] == [("all_reduce", [[2 * channels + 1 + f]], ["float"])]
 
 
 def test_no_collective_in_eval_or_alone(pool):

@@ -34,7 +34,8 @@ def count_job(world, channels, input_grad, phase):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_one_collective_each_way_with_o_c_payload(pool, world):
     channels = 16
-    fwd, bwd = 2 * channels + 1 + fingerprint.SIZE, 2 * channels + fingerprint.SIZE  # + the layer fingerprint
+    # + the layer fingerprint; backward: the sums and the kept-channel overflow slot (0 here)
+    fwd, bwd = 2 * channels + 1 + fingerprint.SIZE, 2 * channels + 1 + fingerprint.SIZE
     for r in pool.run(count_job, world, channels, True, "train")[:world]:
         assert r["forward"] == [("all_reduce", [[fwd]], ["double"], 8 * fwd)]
         assert r["backward"] == [("all_reduce", [[bwd]], ["float"], 4 * bwd)]
@@ -44,7 +45,7 @@ def test_backward_collective_also_without_input_grad(pool):
     """Whether a rank's input needs a gradient is its own fact: every rank whose backward
     reaches the layer all-reduces, so that no rank waits for one that skipped."""
     channels = 8
-    bwd = 2 * channels + fingerprint.SIZE
+    bwd = 2 * channels + 1 + fingerprint.SIZE
     for r in pool.run(count_job, 4, channels, False, "train"):
         assert len(r["forward"]) == 1
         assert r["backward"] == [("all_reduce", [[bwd]], ["float"], 4 * bwd)]

@@ -482,6 +482,60 @@ def test_kernels_refuse_one_value_per_channel(triton_pool):
     assert triton_pool.run(too_few_job, (1, 0))[:2] == [True, True]
 
 
+def fused_on_kernels_job(fused_ranks, paths):
+    """test_fingerprint's fused_on_job (conv, batch norm, LeakyReLU(0.1), conv in float64,
+    fused by fuse_batchnorm_act on ``fused_ranks`` only; one step) with rank r on
+    ``paths[r]``: "triton" (the kernels forced) or "cpu"; with the backward payload kernel's
+    launches (the kernels taken)."""
+    import contextlib
+
+    from syncbn.torch import stats
+    from test_fingerprint import fused_on_job
+
+    rank = dist.get_rank()
+    on_kernels = rank < len(paths) and paths[rank] == "triton"
+    with _Launches() as launches, stats._forced_triton_path() if on_kernels else contextlib.nullcontext():
+        result = fused_on_job(fused_ranks)
+    return None if result is None else (*result, launches.calls["grad_payload"])
+
+
+def fused_on_oracle():
+    """fused_on_job's step in one process, float64, torch.nn.BatchNorm2d on both ranks' batch:
+    each rank's input gradient and the first conv's weight gradient (the ranks' sum)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.LeakyReLU(0.1), nn.Conv2d(8, 1, 1)).double()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 2.0)
+        model[1].bias.uniform_(-1.0, 1.0)
+    xs = [torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) * 3 + 1
+          for r in range(2)]
+    x = torch.cat(xs).requires_grad_()
+    model(x).square().sum().backward()
+    return list(x.grad.split(4)), model[0].weight.grad
+
+
+@pytest.mark.parametrize("paths", [("triton", "triton"), ("triton", "cpu"), ("cpu", "triton")])
+def test_a_layer_fused_on_one_rank_only_sums_like_with_like_on_kernels(triton_pool, paths):
+    """A model fused by fuse_batchnorm_act on rank 0 only: its SyncBatchNormAct and rank 1's
+    SyncBatchNorm share the fingerprint, so their backward sums are added. On the kernels
+    the plain layer sent [fingerprint, sum dy, sum dy (x - mean)], the fused one
+    [fingerprint, sum dz, sum dz xhat, overflow]: a size disagreement (gloo fails), and
+    sums of different meanings; the general path's payload had no overflow value either.
+    Now every path of both layers sends [fingerprint, sum dy, sum dy (x - mean), overflow],
+    so kernels beside kernels and kernels beside the CPU path give the float64 oracle's
+    gradients. Tolerance: float64 throughout (the kernels accumulate in float64), sums of
+    100 terms of order 1 to 10 and a few dozen operations after them: rounding within
+    ~1e-13 relative to the largest value; 1e-9 of it, where mixed sums are off by O(1)."""
+    results = triton_pool.run(fused_on_kernels_job, (0,), paths, timeout=120)[:2]
+    assert [r[0] for r in results] == ["SyncBatchNormAct", "SyncBatchNorm"]
+    assert [r[3] > 0 for r in results] == [p == "triton" for p in paths]  # the kernels ran where asked
+    dxs, dw = fused_on_oracle()
+    for r, dx in zip(results, dxs):
+        torch.testing.assert_close(r[1], dx, rtol=0, atol=1e-9 * float(dx.abs().max()))
+    got = results[0][2] + results[1][2]
+    torch.testing.assert_close(got, dw, rtol=0, atol=1e-9 * float(dw.abs().max()))
+
+
 def empty_kernels_job(form, momentum, track):
     """test_functional's empty_group_job on the forced Triton path, and the merge kernel's
     launches (the kernels taken, not the torch-op fallback)."""

@@ -8,10 +8,11 @@ backward separately, plus an eval-mode call, which must send nothing.
 Modelled, per rank and per layer call, for W from 2 to 1024, with the bytes on the
 wire of the usual bandwidth-optimal algorithms (:func:`syncbn.tools.traffic.wire_bytes`):
 
-- syncbn: all_reduce of ``2C + 1`` float64 forward, all_reduce of ``2C`` values of
-  the compute dtype (float32) backward, each followed by the layer fingerprint's 18
-  values (:mod:`syncbn.torch.fingerprint`); the payload does not depend on W and the wire
-  bytes stay below twice the payload.
+- syncbn: all_reduce of ``2C + 1`` float64 forward, all_reduce of ``2C + 1`` values of
+  the compute dtype (float32) backward (the two sums and the kept-channel overflow slot
+  of :class:`syncbn.SyncBatchNormAct`, 0 for the plain layer), each with the layer
+  fingerprint's 18 values in front (:mod:`syncbn.torch.fingerprint`); the payload does not
+  depend on W and the wire bytes stay below twice the payload.
 - ``torch.nn.SyncBatchNorm``: all_gather of ``2C + 1`` float32 per rank forward
   (mean, invstd, count), all_reduce of ``2C`` float32 backward; each rank receives the
   other ranks' ``W - 1`` packs.
@@ -77,10 +78,11 @@ def _one_collective_each_way(world: int, forward_op: str, fwd: int, bwd: int) ->
 
 
 def syncbn_model(world: int, channels: int) -> dict:
-    """syncbn: all-reduce of 2C+1 float64 forward, of 2C float32 backward, each with the
-    layer fingerprint's ``FINGERPRINT`` values."""
+    """syncbn: all-reduce of 2C+1 float64 forward, of 2C+1 float32 backward (the sums and
+    the kept-channel overflow slot), each with the layer fingerprint's ``FINGERPRINT``
+    values."""
     return _one_collective_each_way(
-        world, "all_reduce", (2 * channels + 1 + FINGERPRINT) * 8, (2 * channels + FINGERPRINT) * 4
+        world, "all_reduce", (2 * channels + 1 + FINGERPRINT) * 8, (2 * channels + 1 + FINGERPRINT) * 4
     )
 
 

@@ -204,7 +204,7 @@ def _communication(plan: dict, torch_result: dict) -> dict:
     counted = torch_result.get("collectives") or []
     tables = {str(c): communication.table(plan["comm_worlds_formula"], c, counted) for c in plan["comm_channels"]}
     return {"counted": counted, "tables": tables,
-            "models": {"syncbn": "all_reduce (2C+1) float64 forward, all_reduce 2C float32 backward",
+            "models": {"syncbn": "all_reduce (2C+1) float64 forward, all_reduce (2C+1) float32 backward",
                        "torch_syncbn": "all_gather (2C+1) float32 per rank forward, all_reduce 2C float32 backward"}}
 
 
@@ -237,7 +237,7 @@ def _bar(name: str, passed: Optional[bool], figure: str) -> dict:
     return {"bar": name, "passed": passed, "figure": figure}
 
 
-PAYLOAD_BAR = "communication: payload per rank independent of W (= (2C+1+F)*8 + (2C+F)*4 bytes, F = 18 fingerprint values)"
+PAYLOAD_BAR = "communication: payload per rank independent of W (= (2C+1+F)*8 + (2C+1+F)*4 bytes, F = 18 fingerprint values)"
 
 
 def _bars(timing: dict, comm: dict, num: dict, plan: dict, multiworker: Optional[dict]) -> List[dict]:

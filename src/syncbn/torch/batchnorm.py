@@ -153,8 +153,10 @@ class SyncBatchNorm(_SyncNormBase):
     ranks, the mean and the biased variance of each channel are taken over every element
     of that channel on all W ranks, weighted by element counts (so uneven and empty local
     batches are exact), with one all-reduce of ``2C + 1`` values; the backward pass adds
-    the cross-rank terms with one all-reduce of ``2C`` values. ``weight`` and ``bias``
-    gradients are the local sums, which the data-parallel wrapper averages.
+    the cross-rank terms with one all-reduce of ``2C + 1`` values (the two sums and a 0:
+    :class:`syncbn.SyncBatchNormAct`'s overflow slot, so that both layers send one payload).
+    ``weight`` and ``bias`` gradients are the local sums, which the data-parallel wrapper
+    averages.
 
     The running buffers are updated with the global statistics (variance unbiased by the
     global count), so they stay identical on every rank. ``momentum=None`` keeps a

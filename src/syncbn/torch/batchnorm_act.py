@@ -7,7 +7,7 @@ layer keeps only its output ``y = act(w * xhat + b)`` and recovers what the back
 pass needs from it (the idea of InPlace-ABN, Rota Bulo et al., CVPR 2018): with an
 invertible activation, ``z = act^-1(y)`` is the normalized, affine output, and
 ``xhat = (z - b) / w``. Training statistics are those of :class:`syncbn.SyncBatchNorm`
-(one all-reduce of ``2C + 1`` float64 values forward, one of ``2C`` values backward,
+(one all-reduce of ``2C + 1`` float64 values forward, one of ``2C + 1`` values backward,
 uneven and empty ranks exact), and the function computed is exactly batch norm
 followed by the activation with the same weights: no reparametrization, so a
 ``BatchNorm2d`` checkpoint loads as it is.
@@ -48,8 +48,9 @@ the bytes BatchNorm + activation keep for C >= 16); should more channels need th
 inputs in some call, that step's check (when its backward pass ends, before any
 optimizer step) raises :class:`KeptChannelsOverflow` rather than let an inexact
 gradient through, on every rank alike: where the layer syncs, each rank's overflow rides
-in the backward all-reduce (one more value of its payload; made also where the rank's input
-needs no gradient, as in :class:`SyncBatchNorm`) and the check reads the group's sum.
+in the backward all-reduce (the last value of its payload, a slot that every path of both
+layers sends, 0 where nothing overflowed; made also where the rank's input needs no
+gradient, as in :class:`SyncBatchNorm`) and the check reads the group's sum.
 On the CPU, where the moments come from the centered input (:func:`syncbn.torch.stats.use_centered`),
 that centered input is normalized in place (exact where |mean| >> std); otherwise one more
 read of C flags on the CPU (no synchronisation there) picks how to normalize: the native
@@ -134,8 +135,8 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import (_check_count, check_dtypes, flat_spatial, refuse_capture, refuse_create_graph,
-                         unflat_spatial)
+from .functional import (_check_count, backward_payload, check_dtypes, flat_spatial, refuse_capture,
+                         refuse_create_graph, unflat_spatial)
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -407,14 +408,16 @@ class _SyncBatchNormAct(torch.autograd.Function):
 
         dx = None
         if ctx.syncing:  # also without an input gradient here (another rank may need one)
-            # the payload of every synchronized path, [sum dy, sum dy (x - mean)], not sum
-            # dy xhat: a rank whose layer is a SyncBatchNorm (not fused there) sums with this
-            # one under the same fingerprint (same name and width), and mixed sums were wrong
-            packed = torch.cat([sum_dy, sum_dy_xhat / invstd])
+            # the payload of every synchronized path, [sum dy, sum dy (x - mean), overflow],
+            # not sum dy xhat: a rank whose layer is a SyncBatchNorm (not fused there) sums
+            # with this one under the same fingerprint (same name and width), and mixed sums
+            # were wrong. The overflow slot (0: this path keeps every channel it needs) is
+            # where the Triton path's ranks count their kept-channel overflow
+            packed = backward_payload(sum_dy, sum_dy_xhat / invstd)
             packed, _ = fingerprint.all_reduce_checked(
                 packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
             )
-            total_dy, total_dy_xhat = packed[:channels], packed[channels:] * invstd
+            total_dy, total_dy_xhat = packed[:channels], packed[channels:2 * channels] * invstd
         else:
             total_dy, total_dy_xhat = sum_dy, sum_dy_xhat
         if need_x:
@@ -550,6 +553,7 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
 
 def _triton_backward(ctx, dy):
     from . import kernels
+    from .functional import _empty_payload
 
     y, keep, slots, weight, bias, stats_c, count = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -566,9 +570,9 @@ def _triton_backward(ctx, dy):
     if y.numel():
         partials = kernels.grad_partials(dy, y, stats_c, ctx.scalars, weight, bias, kept, keep, mode=ctx.mode)
         payload, dw, db = kernels.grad_payload(partials, fixed, stats_c, ctx.mode, wdtype, bdtype, ctx.fits)
-    else:  # an empty rank: zero sums and no overflow, still in the all-reduce
+    else:  # an empty rank: zero sums and no overflow (functional's empty payload), still in the all-reduce
         channels = y.shape[1]
-        payload = torch.cat([fixed, stats.constant(stats._filled, (0.0, 2 * channels + 1), cdtype, device)])
+        payload = _empty_payload(channels, fixed)
         dw = torch.zeros(channels, dtype=wdtype, device=device)
         db = torch.zeros(channels, dtype=bdtype, device=device)
     dx = ok = fit = None

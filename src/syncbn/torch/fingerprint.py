@@ -4,12 +4,14 @@ Each training call of a synchronized layer is one all-reduce forward and one bac
 and ranks pair them up by order alone. A rank that calls the layers in another order
 (a data-dependent branch, ``if rank == 0:`` code, a model built differently) would
 otherwise mix the statistics of different layers without any error. So every packed
-payload carries, before its 2C+1 (forward) or 2C (backward) values, a fingerprint of the
+payload carries, before its 2C+1 (forward) or 2C+1 (backward) values, a fingerprint of the
 call: ``DIGITS`` small integers and their squares, ``SIZE = 2 * DIGITS`` values in the
 payload's own dtype. No extra collective, a constant number of extra values. Every code
-path (CPU, CUDA, portable, compiled) sends the same payload, fingerprint first, then
-``[n, n m, n (var + m^2)]`` forward and ``[sum dy, sum dy (x - mean)]`` backward, so ranks
-on different paths still sum like with like. (A compiled call's index is 0, see below:
+path (CPU, CUDA, portable, compiled, the Triton kernels) of both layers sends the same
+payload, fingerprint first, then ``[n, n m, n (var + m^2)]`` forward and ``[sum dy, sum dy
+(x - mean), overflow]`` backward (``overflow``: the kept-channel overflow of
+:class:`syncbn.SyncBatchNormAct` on the kernels, 0 elsewhere), so ranks on different paths,
+and a layer fused on some ranks only, still sum like with like. (A compiled call's index is 0, see below:
 beside an eager rank, a compiled rank agrees on the step's first layer only, and every
 rank raises at the second.)
 

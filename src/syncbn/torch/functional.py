@@ -16,7 +16,9 @@ On CUDA the work is done by the Triton kernels of :mod:`syncbn.torch.kernels` wh
 Triton is installed (four kernels forward, three backward, no host read), else by
 torch's ops (:mod:`syncbn.torch.stats`, the CUDA path).
 
-One all-reduce of ``2C + 1`` values in forward, one of ``2C`` in backward (made by
+One all-reduce of ``2C + 1`` values in forward, one of ``2C + 1`` in backward (the two
+sums and a 0, the slot where :class:`syncbn.SyncBatchNormAct`'s kernels count the ranks
+that ran out of kept channels, so that both layers send one payload; made by
 every rank whose backward reaches the layer, also where its own input needs no gradient:
 ranks need not agree on that), whatever the world size; each also carries the call's
 fingerprint (18 values, :mod:`syncbn.torch.fingerprint`), so ranks in different layer calls
@@ -395,15 +397,15 @@ class _SyncBatchNorm(torch.autograd.Function):
             fingerprint.end_step(ctx.group)
             return dx, dw, db, None, None, None, None, None, None
         # the backward payload of every path: sum dy and sum dy (x - mean) (the CUDA
-        # kernels' sums), so that a compiled rank and an eager one sum alike
+        # kernels' sums) and the overflow slot, so that a compiled rank and an eager one sum alike
         sum_dy, sum_dy_xmu = stats.backward_sums(dy, x, mean, _ones_like(invstd))
 
         dx = None
         channels = x.shape[1]
-        packed = torch.cat([sum_dy, sum_dy_xmu])
+        packed = backward_payload(sum_dy, sum_dy_xmu)
         packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
         if need_x:
-            global_dy, global_dy_xhat = packed[:channels], packed[channels:] * invstd
+            global_dy, global_dy_xhat = packed[:channels], packed[channels:2 * channels] * invstd
             if x.numel() == 0:
                 dx = torch.zeros_like(x)
             else:
@@ -461,25 +463,39 @@ def _cpu_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
 def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy: Tensor, sum_dy_xmu: Tensor, cuda: bool,
                        need_x: bool = True):
     """The input gradient from this rank's backward sums ``(sum dy, sum dy (x - mean))``,
-    summed over the group with the backward fingerprint in front (one all-reduce); the
-    verdict read at once on the CPU, left on the device on the CUDA path. Every path sends
-    these two sums (the CUDA kernels' own; the others convert from ``sum dy xhat``), so
-    ranks on different paths (one compiled, one eager) sum alike. Without ``need_x``
+    summed over the group with the backward fingerprint in front and a 0 after them (the
+    activated layer's kept-channel overflow on the Triton path: :func:`backward_payload`),
+    one all-reduce; the verdict read at once on the CPU, left on the device on the CUDA
+    path. Every path sends this payload (the CUDA kernels' own sums; the others convert
+    from ``sum dy xhat``), so ranks on different paths (one compiled, one eager) and ranks
+    where the layer is fused and ranks where it is not sum alike. Without ``need_x``
     (this rank's input needs no gradient) the rank still takes part and returns None:
     see :class:`_SyncBatchNorm`'s backward."""
     fixed = fingerprint.fixed_values(ctx.tag, sum_dy.dtype, sum_dy.device)
     size, channels = fixed.shape[0], sum_dy.shape[0]
-    packed = distributed.all_reduce_sum(torch.cat([fixed, sum_dy, sum_dy_xmu]), ctx.group)
+    packed = distributed.all_reduce_sum(backward_payload(sum_dy, sum_dy_xmu, fixed), ctx.group)
     verdict = fingerprint.pending_verdict if cuda else fingerprint.check_now
     verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
     if not need_x:
         return None
     if x.numel() == 0:
         return torch.zeros_like(x)
-    total_dy, total_dy_xmu = packed[size:size + channels], packed[size + channels:]
+    total_dy, total_dy_xmu = packed[size:size + channels], packed[size + channels:size + 2 * channels]
     if cuda:
         return stats.cuda_input_grad(dy, x, weight, mean, invstd, total_dy, total_dy_xmu, count)
     return stats.input_grad(dy, x, weight, mean, invstd, total_dy, total_dy_xmu * invstd, count)
+
+
+def backward_payload(sum_dy: Tensor, sum_dy_xmu: Tensor, fixed: Optional[Tensor] = None) -> Tensor:
+    """The backward all-reduce's payload of every path and both layers: ``[fixed, sum dy,
+    sum dy (x - mean), overflow]``, ``2C + 1`` values after the fingerprint's ``fixed``
+    (which :func:`syncbn.torch.fingerprint.all_reduce_checked` puts in front where it is
+    None). ``overflow`` counts the ranks whose :class:`syncbn.SyncBatchNormAct` ran out of
+    kept channels on the Triton path (:func:`syncbn.torch.kernels.grad_payload` writes it
+    there); every other path has none and sends 0, so that the payload has one length
+    and one meaning wherever it is made."""
+    zero = stats.constant(stats._filled, (0.0, 1), sum_dy.dtype, sum_dy.device)
+    return torch.cat([sum_dy, sum_dy_xmu, zero] if fixed is None else [fixed, sum_dy, sum_dy_xmu, zero])
 
 
 def _ones_like(invstd: Tensor) -> Tensor:
@@ -502,8 +518,9 @@ def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_
 # batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
 # verdict (2), the integer count and batch_norm_backward_elemt. The payloads are those of
 # every path (so that ranks on different paths, compiled and eager, sum alike):
-# [fingerprint, n, n m, n (var + m^2)] forward, [fingerprint, sum dy, sum dy (x - mean)]
-# backward.
+# [fingerprint, n, n m, n (var + m^2)] forward, [fingerprint, sum dy, sum dy (x - mean), 0]
+# backward (backward_payload; the 0: the kept-channel overflow of the Triton path's
+# SyncBatchNormAct).
 
 
 def _cuda_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, tag, world):
@@ -553,6 +570,8 @@ def _momentum_tensor(momentum, device) -> Tensor:
 
 
 def _empty_payload(channels: int, fixed: Tensor) -> Tensor:
+    """An empty rank's payload, ``fixed`` and ``2C + 1`` zeros: forward ``[n, sum x, sum
+    x^2]``, backward ``[sum dy, sum dy (x - mean), overflow]`` (the same length)."""
     zeros = stats.constant(stats._filled, (0.0, 1 + 2 * channels), fixed.dtype, fixed.device)
     return torch.cat([fixed, zeros])
 
@@ -594,7 +613,7 @@ def _triton_backward(ctx, dy, x, weight, need_x, need_w, need_b):
         partials = kernels.grad_partials(dy, x, stats_c, scalars, weight)
         payload, dw, db = kernels.grad_payload(partials, fixed, stats_c, 0, wdtype, bdtype)
     else:
-        payload = _empty_payload(channels, fixed)[:-1]
+        payload = _empty_payload(channels, fixed)  # [fixed, zeros of S1, S2 and the overflow]
         dw = torch.zeros(channels, dtype=wdtype, device=device)
         db = torch.zeros(channels, dtype=bdtype, device=device)
     dx = None

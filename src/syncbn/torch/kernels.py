@@ -32,13 +32,16 @@ backward
     1. :func:`grad_partials` (one pass over dy and x, or dy and the output y of the
        activated layer): ``sum dy`` and ``sum dy (x - mean)`` (``sum dz``, ``sum dz xhat``
        for the activated layer) per program, in float64;
-    2. :func:`grad_payload`: the payload ``[fingerprint, sum dy, sum dy (x - mean)]`` in
-       the compute dtype (the activated layer: and this rank's kept-channel overflow, 0 or
-       1, so that the all-reduce counts the ranks that ran out of kept channels), and the
-       local weight and bias gradients;
+    2. :func:`grad_payload`: the payload ``[fingerprint, sum dy, sum dy (x - mean),
+       overflow]`` in the compute dtype, for both layers (the activated layer's ``sum dz
+       xhat`` divided by ``invstd``), the same as every other path's, so that a plain and
+       an activated layer of one fingerprint (one fused on some ranks only) sum alike;
+       ``overflow`` is the activated layer's kept-channel overflow on this rank, 0 or 1 (so
+       that the all-reduce counts the ranks that ran out of kept channels), always 0 for
+       the plain layer; and the local weight and bias gradients;
     3. (the all-reduce) then :func:`input_grad`: ``dx`` in one pass, and the backward
        verdict (the activated layer: and whether the summed overflow is zero, the same on
-       every rank).
+       every rank; the plain layer ignores it).
 
 **Error analysis of the local moments.** ``x`` (float32 or half: a float32 value; float64)
 is converted to float64 exactly; ``t = x - K`` in float64 is exact for float32 inputs (two
@@ -569,8 +572,11 @@ def _grad_payload_kernel(part_ptr, fixed_ptr, stats_ptr, fits_ptr, out_ptr, dw_p
                          SIZE: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
                          WIDE_W: tl.constexpr, WIDE_B: tl.constexpr, HAS_FITS: tl.constexpr):
     # WIDE_W, WIDE_B: float64 parameter gradients; others through float32 (see _merge_kernel).
-    # MODE >= 1 (the activated layer): one more value, out[SIZE + 2C], this rank's kept-channel
-    # overflow (1 where fits_ptr, the merge kernel's flag, is false; 0 without HAS_FITS)
+    # The payload is [fixed, sum dy, sum dy (x - mean), overflow] in every mode (2C + SIZE + 1
+    # values, the general paths' too), so that a plain and an activated layer of one
+    # fingerprint sum alike; overflow, out[SIZE + 2C], is this rank's kept-channel overflow
+    # (1 where fits_ptr, the merge kernel's flag, is false; 0 without HAS_FITS, and always 0
+    # in MODE 0)
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
@@ -582,10 +588,12 @@ def _grad_payload_kernel(part_ptr, fixed_ptr, stats_ptr, fits_ptr, out_ptr, dw_p
         s2 += tl.load(base + C + cols, mask=cmask, other=0.0)
     ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + SIZE + cols, s1.to(ty), mask=cmask)
-    tl.store(out_ptr + SIZE + C + cols, s2.to(ty), mask=cmask)
-    if MODE == 0:  # the weight gradient is sum dy xhat = invstd sum dy (x - mean)
-        invstd = tl.load(stats_ptr + 2 * C + cols, mask=cmask, other=0.0).to(tl.float64)
+    invstd = tl.load(stats_ptr + 2 * C + cols, mask=cmask, other=1.0).to(tl.float64)
+    if MODE == 0:  # s2 = sum dy (x - mean), sent as it is; the weight gradient sum dy xhat = invstd s2
+        tl.store(out_ptr + SIZE + C + cols, s2.to(ty), mask=cmask)
         s2 = s2 * invstd
+    else:  # s2 = sum dz xhat, the weight gradient; sent as sum dz (x - mean) = s2 / invstd (invstd > 0)
+        tl.store(out_ptr + SIZE + C + cols, (s2 / invstd).to(ty), mask=cmask)
     if WIDE_W:
         tl.store(dw_ptr + cols, s2, mask=cmask)
     else:
@@ -602,7 +610,9 @@ def _grad_payload_kernel(part_ptr, fixed_ptr, stats_ptr, fits_ptr, out_ptr, dw_p
             over = tl.where(tl.load(fits_ptr), 0.0, 1.0)
         else:
             over = (pid * 0).to(tl.float32)
-        tl.store(out_ptr + SIZE + 2 * C, over.to(ty), mask=pid == 0)
+    else:  # the plain layer never runs out of kept channels
+        over = (pid * 0).to(tl.float32)
+    tl.store(out_ptr + SIZE + 2 * C, over.to(ty), mask=pid == 0)
 
 
 def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slot_ptr, keep_ptr, sum_ptr,
@@ -644,7 +654,7 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
         v = tl.load(src_ptr + (n * s_n + s * s_s)[:, None] + (c64 * s_c)[None, :], mask=mask, other=0.0).to(ct)
         xmu = (v - hi[None, :]) - lo[None, :]
         dx = a[None, :] * (dy - g1[None, :] - xmu * (invstd * invstd * g2)[None, :])
-    else:  # dx = w invstd (dz - S1/N) - invstd (z - b) S2/N, S2 = sum dz xhat; kept: from x
+    else:  # dx = w invstd (dz - S1/N) - invstd^3 (z - b) S2/N, S2 = sum dz (x - mean); kept: from x
         slope = tl.load(scalar_ptr + 1).to(ct)
         if HAS_B:
             b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(ct)
@@ -676,7 +686,10 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
                 dz = tl.where(kept[None, :], tl.where(z > 0, dy, dy * grow), dz)
         else:
             dz = tl.where(z > 0, dy, dy * slope)
-        dx = a[None, :] * (dz - g1[None, :]) - (invstd * g2)[None, :] * zb
+        # invstd^2 S2 = invstd sum dz xhat: grad_payload divided it by this invstd (one float64
+        # rounding, 2^-53), the payload's own rounding to the compute dtype as before, and one
+        # more rounding here (u of the compute dtype) for the second factor invstd
+        dx = a[None, :] * (dz - g1[None, :]) - (invstd * invstd * g2)[None, :] * zb
     tl.store(dx_ptr + (n * o_n + s * o_s)[:, None] + (c64 * o_c)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -812,7 +825,7 @@ def _grad_payload(partials, fixed, stats, mode, weight_dtype, bias_dtype, fits=N
     channels = partials.shape[1]
     programs = partials.shape[0] // 2
     size = fixed.shape[0]
-    out = torch.empty(size + 2 * channels + (mode >= 1), dtype=stats.dtype, device=partials.device)
+    out = torch.empty(size + 2 * channels + 1, dtype=stats.dtype, device=partials.device)
     dw = torch.empty(channels, dtype=weight_dtype, device=partials.device)
     db = torch.empty(channels, dtype=bias_dtype, device=partials.device)
     block = min(_pow2(channels), 1024)
@@ -922,7 +935,7 @@ def _register_fakes(ops: dict) -> None:
     @ops["triton_grad_payload"].register_fake
     def _(partials, fixed, stats, mode, weight_dtype, bias_dtype, fits=None):
         channels = partials.shape[1]  # pragma: no cover
-        return (stats.new_empty(fixed.shape[0] + 2 * channels + (mode >= 1)),
+        return (stats.new_empty(fixed.shape[0] + 2 * channels + 1),
                 stats.new_empty(channels, dtype=weight_dtype),
                 stats.new_empty(channels, dtype=bias_dtype))
 
@@ -994,23 +1007,26 @@ def grad_partials(dy, src, stats, scalars, weight=None, bias=None, slots=None, k
 
 
 def grad_payload(partials, fixed, stats, mode: int, weight_dtype, bias_dtype, fits=None):
-    """``(payload, dw, db)`` (kernel 2 backward): the payload ``[fixed, S1, S2]`` in the
-    statistics' dtype and the local weight and bias gradients. For the activated layer
-    (``mode >= 1``) the payload has one more value, ``[fixed, S1, S2, overflow]``:
-    ``overflow`` is 1 where ``fits`` (:func:`merge`'s 0-d flag of this rank's forward) is
-    false, else 0 (also without ``fits``: a rank that kept nothing), so that the all-reduce
-    sums how many ranks ran out of kept channels (the same size on every rank)."""
+    """``(payload, dw, db)`` (kernel 2 backward): the payload ``[fixed, S1, S2, overflow]``
+    (``SIZE + 2C + 1`` values) in the statistics' dtype and the local weight and bias
+    gradients. Every mode sends the same sums, ``S1 = sum dy`` and ``S2 = sum dy (x -
+    mean)`` (the activated layer's dz for dy: its ``sum dz xhat`` divided by ``invstd``), as
+    every other path does, so that ranks where one layer is fused and ranks where it is not
+    sum like with like. For the activated layer (``mode >= 1``) ``overflow`` is 1 where
+    ``fits`` (:func:`merge`'s 0-d flag of this rank's forward) is false, else 0 (also
+    without ``fits``: a rank that kept nothing), so that the all-reduce sums how many
+    ranks ran out of kept channels; the plain layer (mode 0) sends 0 there."""
     return _ops()["triton_grad_payload"](partials, fixed, stats, mode, weight_dtype, bias_dtype, fits)
 
 
 def input_grad(dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree, mode: int,
                dtype: Optional[torch.dtype] = None):
     """``(dx, ok)`` (kernel 3 backward): the input gradient from the group's sums
-    ``summed`` (``[fingerprint sums, S1, S2]``) and the fingerprint's verdict. For the
-    activated layer (``mode >= 1``, ``summed`` ``[fingerprint sums, S1, S2, overflow]``
-    from :func:`grad_payload`) ``(dx, ok, fit)``: ``fit`` (0-d bool) whether the summed
-    overflow is zero, i.e. no rank of the group ran out of kept channels (the same value
-    on every rank), written by the same launch."""
+    ``summed`` (``[fingerprint sums, S1, S2, overflow]`` from :func:`grad_payload`) and the
+    fingerprint's verdict; the plain layer (mode 0) ignores ``overflow``. For the activated
+    layer (``mode >= 1``) ``(dx, ok, fit)``: ``fit`` (0-d bool) whether the summed overflow
+    is zero, i.e. no rank of the group ran out of kept channels (the same value on every
+    rank), written by the same launch."""
     dx, ok, fit = _ops()["triton_input_grad"](dy, src, stats, scalars, weight, bias, slots, keep, summed, count,
                                               agree, mode, dtype or src.dtype)
     return (dx, ok, fit) if mode >= 1 else (dx, ok)
