@@ -922,6 +922,30 @@ def convert_synchronizes_layers_made_in_build():
     return {"cases": len(done)}
 
 
+def saved_classes(path):
+    """The registered names under which the ``.keras`` file at ``path`` saves its objects
+    (not those inside ``syncbn>Synchronized``'s ``original`` entry, the class it rebuilds)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    found = []
+
+    def visit(value):
+        if isinstance(value, dict):
+            if "registered_name" in value:
+                found.append(value["registered_name"])
+            for key, item in value.items():
+                if key != "original":  # the class that syncbn>Synchronized rebuilds
+                    visit(item)
+        elif isinstance(value, list):
+            for item in value:
+                visit(item)
+
+    visit(config)
+    return found
+
+
 @check
 def unbuilt_copy_saved_loads_synchronized():
     """A converted copy not yet built, whose batch norm layers a custom layer makes in its
@@ -932,11 +956,9 @@ def unbuilt_copy_saved_loads_synchronized():
     norm yet, kept its own class, and the file loaded back plain, without a word. A custom
     layer that makes none has its own class back once built (weights paths as the plain
     model's), and ``revert`` of such an unbuilt copy builds plain."""
-    import json
     import os
     import tempfile
     import warnings
-    import zipfile
 
     import keras
 
@@ -977,25 +999,6 @@ def unbuilt_copy_saved_loads_synchronized():
     def custom(model):
         return [layer for layer in every_layer(model) if type(layer).__module__ == __name__
                 or getattr(type(layer), "__qualname__", "").startswith("Synchronized")]
-
-    def saved_classes(path):  # the registered names under which the file saves its objects
-        with zipfile.ZipFile(path) as archive:
-            config = json.loads(archive.read("config.json"))
-        found = []
-
-        def visit(value):
-            if isinstance(value, dict):
-                if "registered_name" in value:
-                    found.append(value["registered_name"])
-                for key, item in value.items():
-                    if key != "original":  # the class that syncbn>Synchronized rebuilds
-                        visit(item)
-            elif isinstance(value, list):
-                for item in value:
-                    visit(item)
-
-        visit(config)
-        return found
 
     done = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -1062,6 +1065,199 @@ def unbuilt_copy_saved_loads_synchronized():
             for a, b in zip(model.get_weights(), reference.get_weights()):
                 np.testing.assert_array_equal(b, a, err_msg=what)
         done.append("no batch norm")
+    return {"cases": len(done)}
+
+
+@check
+def built_owner_of_an_unbuilt_layer_saves_synchronized():
+    """A converted model that is built but holds a custom layer not yet built that makes
+    its batch norm layer in its own ``build()`` (a block that its owner runs only in
+    training, so that the owner is built by an inference call, or by the symbolic call of a
+    Functional model, and the block is not): saved to a ``.keras`` file before the block is
+    built, the file names the converted class for the block and its built owner, and loaded
+    (and the copy, ``clone_model`` of it and ``from_config`` of its config) a training call
+    synchronizes its batch norm and the next one matches the float64 oracle; the loaded
+    owner has the saved weights. Before the fix a built owner kept its own class, and the
+    file loaded back plain without a word (converting an unbuilt model and calling it in
+    inference gave the converted class, as it does now). A block that makes no batch norm
+    gives its owner and itself their own classes back once built, and a ``.weights.h5`` file
+    saved then loads into the plain model; ``revert`` of the copy is plain. A keras_hub task
+    without batch norm keeps its class and its preprocessor's (which runs on the data and
+    stays unbuilt): without that exception both took the converted class."""
+    import os
+    import tempfile
+    import warnings
+
+    import keras
+
+    import keras_oracle as oracle
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    rng = np.random.default_rng(47)
+    LazyBlock = lazy_classes()[0]
+    register = keras.saving.register_keras_serializable(package="syncbn_roundtrip")
+
+    @register
+    class DenseOnlyInBuild(keras.layers.Layer):  # makes no batch norm
+        def build(self, input_shape):
+            self.dense = keras.layers.Dense(input_shape[-1], name="dense")
+            self.dense.build(input_shape)
+
+        def call(self, x, training=None):
+            return self.dense(x)
+
+    def block_of(kind):
+        return LazyBlock(name="block") if kind == "batch norm" else DenseOnlyInBuild(name="block")
+
+    def forward(owner, x, training):
+        y = x * owner.scale
+        if training:  # the block runs in training only: an inference call leaves it unbuilt
+            y = y + owner.block(y, training=training)
+        return y
+
+    @register
+    class TrainingOnlyBlock(keras.layers.Layer):  # builds its own weight, not the block
+        def __init__(self, kind="batch norm", **kwargs):
+            super().__init__(**kwargs)
+            self.kind = kind
+            self.block = block_of(kind)
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+        def call(self, x, training=None):
+            return forward(self, x, training)
+
+        def get_config(self):
+            return {**super().get_config(), "kind": self.kind}
+
+    @register
+    class TrainingOnlyNet(keras.Model):
+        def __init__(self, kind="batch norm", **kwargs):
+            super().__init__(**kwargs)
+            self.kind = kind
+            self.block = block_of(kind)
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+        def call(self, x, training=None):
+            return forward(self, x, training)
+
+        def get_config(self):
+            return {**super().get_config(), "kind": self.kind}
+
+    data = (rng.standard_normal((6, 3)) * 2 + 1).astype(np.float32)
+
+    def functional(kind="batch norm"):  # built as it is made (the symbolic call: inference)
+        return keras.Sequential([keras.Input((3,)), TrainingOnlyBlock(kind, name="owner")], name="model")
+
+    def subclassed(kind="batch norm"):  # built by a call in inference
+        net = TrainingOnlyNet(kind, name="net")
+        net(data)
+        return net
+
+    cases = {"layer in a Functional model": (functional, TrainingOnlyBlock),
+             "subclassed model called in inference": (subclassed, TrainingOnlyNet)}
+    done = []
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not yet been built")  # Keras's, of the block
+        for where, (make, owner_class) in cases.items():
+            model = make()
+            randomize(model, rng)  # the owner's scale away from ones
+            synced = convert(model)
+            owner = [layer for layer in every_layer(synced) if isinstance(layer, owner_class)][0]
+            assert synced.built and owner.built and not owner.block.built, where
+            names = [type(layer).__name__ for layer in (owner, owner.block)]
+            path = os.path.join(tmp, "built.keras")
+            synced.save(path)
+            plain = revert(synced)  # before the block is built: built later, plain
+            assert [type(layer) for layer in every_layer(plain) if type(layer).__module__ == __name__] == [
+                owner_class, LazyBlock], where
+            plain(data, training=True)
+            assert kinds(plain) == (1, 0), (where, kinds(plain))
+            copies = (("loaded", keras.models.load_model(path)), ("copy", synced),
+                      ("clone_model", keras.models.clone_model(synced)),
+                      ("from_config", type(synced).from_config(synced.get_config())))
+            for what, copy in copies:
+                label = f"{where}, {what}"
+                if what == "loaded":  # the owner's weights as saved (the block's are made when built)
+                    for a, b in zip(synced.get_weights(), copy.get_weights()):
+                        np.testing.assert_array_equal(b, a, err_msg=label)
+                copy(data, training=True)  # builds the block
+                assert kinds(copy) == (0, 1), (label, kinds(copy))
+                held = [layer for layer in every_layer(copy) if isinstance(layer, owner_class)][0]
+                bn = held.block.bn
+                assert isinstance(bn, SyncBatchNormalization), label
+                scaled = data * np.asarray(held.scale.numpy())  # float32, as the backend rounds it
+                x = np.asarray(held.block.dense(scaled))
+                before = {w.path.split("/")[-1]: np.asarray(w.numpy(), np.float64) for w in bn.weights}
+                y = np.asarray(copy(data, training=True))
+                after = {w.path.split("/")[-1]: np.asarray(w.numpy()) for w in bn.weights}
+                ref = oracle.batch_norm([x], [np.zeros_like(x)], gamma=before["gamma"],
+                                        beta=before["beta"], eps=bn.epsilon, momentum=bn.momentum,
+                                        moving_mean=before["moving_mean"], moving_var=before["moving_variance"])
+                # the batch norm's output as in unbuilt_copy_saved_loads_synchronized (well under
+                # 1e-5 off), plus ``scaled`` (|scaled| < 20, asserted) in float32: one more rounding
+                # of the sum, under 20 * 6e-8 = 1.2e-6
+                assert np.max(np.abs(x)) <= 20 and np.max(np.abs(scaled)) <= 20, label
+                assert np.all(np.abs(x.mean(0)) < 3 * x.std(0)), label
+                assert np.all(np.isfinite(y)), label
+                np.testing.assert_allclose(y, scaled + ref["y"][0], rtol=2e-5, atol=2e-5, err_msg=label)
+                for name, key in (("moving_mean", "moving_mean"), ("moving_variance", "moving_var")):
+                    np.testing.assert_allclose(after[name], ref[key], rtol=1e-5, atol=1e-6, err_msg=label)
+            # the file names the converted class for the block and its built owner: without
+            # syncbn.keras, Keras's "Could not locate class" rather than a plain model
+            assert names == [f"Synchronized{owner_class.__name__}", "SynchronizedLazyBlock"], (where, names)
+            assert "syncbn>Synchronized" in saved_classes(path), (where, saved_classes(path))
+            assert not any(str(name).startswith("syncbn_roundtrip>") for name in saved_classes(path)), where
+            done.append(where)
+
+        # a block that makes no batch norm: the converted classes only until it is built
+        for where, (make, owner_class) in cases.items():
+            reference = make("no batch norm")
+            synced = convert(reference)
+            path = os.path.join(tmp, "built.keras")
+            synced.save(path)
+            reference(data, training=True)
+            for what, copy in (("loaded", keras.models.load_model(path)), ("copy", synced)):
+                label = f"{where}, no batch norm, {what}"
+                owner = [layer for layer in every_layer(copy) if isinstance(layer, owner_class)][0]
+                assert type(owner).__name__ == f"Synchronized{owner_class.__name__}", (label, type(owner))
+                copy(data, training=True)
+                assert [type(owner), type(owner.block)] == [owner_class, DenseOnlyInBuild], label
+                # paths follow layer names, never the class (Keras names a copy built in a
+                # Functional model's call otherwise than the original, with or without syncbn)
+                assert [w.path.split("/")[-1] for w in copy.weights] == [
+                    w.path.split("/")[-1] for w in reference.weights], label
+                assert not any("synchronized" in w.path.lower() for w in copy.weights), label
+                weights = os.path.join(tmp, f"{what}.weights.h5")
+                copy.save_weights(weights)
+                reference.load_weights(weights)  # group names by class, as the plain model's
+                for a, b in zip(copy.get_weights(), reference.get_weights()):
+                    np.testing.assert_array_equal(b, a, err_msg=label)
+            done.append(f"{where}, no batch norm")
+
+    # a keras_hub task's preprocessor, which runs on the data, not in the model's call, and
+    # is never built by it: a task without batch norm keeps its class (its preset, its file)
+    import importlib.util
+
+    if importlib.util.find_spec("keras_hub") is not None:
+        import keras_hub
+
+        vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "fox"]
+        preprocessor = keras_hub.models.BertTextClassifierPreprocessor(
+            keras_hub.models.BertTokenizer(vocabulary=vocabulary), sequence_length=8)
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=len(vocabulary), num_layers=1, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, max_sequence_length=8)
+        task = keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+        synced = convert(task)
+        assert not synced.preprocessor.built, "keras_hub task"
+        assert [type(layer) for layer in (synced, synced.preprocessor, synced.backbone)] == [
+            type(layer) for layer in (task, task.preprocessor, task.backbone)], (
+            type(synced), type(synced.preprocessor), type(synced.backbone))
+        done.append("keras_hub task without batch norm")
     return {"cases": len(done)}
 
 

@@ -53,10 +53,12 @@ def convert(model):
     class" error, naming the converted class, ``SynchronizedBlock`` say, or
     ``SyncBatchNormalization``; never a plain model). Batch norm layers that such a layer
     makes in its own ``build()`` (none exist in a copy before it is built) are synchronized
-    when it is built, converting and loading alike. Until a copy is built, each custom layer
-    in it whose class defines its own ``build()``, and each layer holding one, has that
-    subclass (``SynchronizedBlock``), so that a ``.keras`` file saved before the first call
-    loads back synchronized too; built, one that made no batch norm has its own class back.
+    when it is built, converting and loading alike. Until then each custom layer of the copy
+    not yet built whose class defines its own ``build()``, and each layer holding one, built
+    or not (a model called in inference, whose block runs only in training), has that
+    subclass (``SynchronizedBlock``), so that a ``.keras`` file saved before that layer is
+    built loads back synchronized too; once it is built, each that made no batch norm has
+    its own class back.
 
     Weights files (``.weights.h5``) name a layer's group after its class, so a file
     saved from the original loads into ``convert`` of a model that loaded it (load,
@@ -551,14 +553,18 @@ class _Swap:
         the class that saves as converted for ``layer`` and for the layers holding it
         (:meth:`retype_owner`), as :func:`convert` gives a layer built before it ran.
 
-        Until then ``layer`` and the layers holding it (:attr:`_owners`), where none of
-        those is built, have that class provisionally, so that a ``.keras`` file saved
-        before the model's first call (its config the constructor's arguments, which make
-        no batch norm yet) loads back through :meth:`Synchronized.from_config`, which hooks
-        the rebuilt layer again. Once built, each of them that holds no layer still
-        waiting to be built, and was not found to hold a synchronized one, has its own
-        class back (:func:`_settle`). Only a layer whose class defines ``build()`` outside
-        Keras is hooked (Keras's own layers make no batch norm there).
+        Until then ``layer`` and the layers holding it (:attr:`_owners`), built or not,
+        have that class provisionally, so that a ``.keras`` file saved before ``layer`` is
+        built (before the model's first call, or after calls that did not reach it: a
+        block that runs only in training) loads back through
+        :meth:`Synchronized.from_config`, which hooks the rebuilt layer again; the configs
+        of their own classes are the constructors' arguments, which make ``layer`` plain.
+        Once ``layer`` is built, each of them that holds no layer still waiting to be
+        built, and was not found to hold a synchronized one, has its own class back
+        (:func:`_settle`). Only a layer whose class defines ``build()`` outside Keras is
+        hooked (Keras's own layers make no batch norm there); a keras_hub preprocessing
+        layer (a task's preprocessor, which runs on the data outside the model's call) is
+        hooked but keeps its class, as do the layers holding it.
 
         Reverting, the hook and the provisional mark are taken off ``layer`` (a copy that
         :meth:`Synchronized.from_config` hooked)."""
@@ -589,8 +595,10 @@ class _Swap:
         build.syncbn_when_built = True
         build.syncbn_keras_build = keras_build
         layer.build = build
-        if any(owner.built for owner in owners):
-            return  # part of a built model (a keras_hub task's preprocessor): saved as it is
+        if _preprocessing(layer):
+            return  # runs on the data, outside the model's call: saved as it is
+        # built owners too (a model called in inference, where ``layer`` runs only in
+        # training): their configs, which make ``layer`` plain, are what a file holds
         for held in [layer, *owners]:
             if not _is_plain_graph_model(held) and not isinstance(held, Synchronized):
                 held.__class__ = synchronized_class(type(held))
@@ -613,6 +621,15 @@ def _builds_its_own(layer) -> bool:
     may make batch norm layers); Keras's own layers make none there."""
     module = getattr(getattr(type(layer), "build", None), "__module__", None) or ""
     return not (module == "keras" or module.startswith("keras."))
+
+
+def _preprocessing(layer) -> bool:
+    """Whether ``layer`` is a keras_hub preprocessing layer (a task's preprocessor, its
+    tokenizer or image converter: keras_hub's ``PreprocessingLayer``), which runs on the data
+    before the model, not inside its call; told by its class's ancestry, without importing
+    keras_hub."""
+    return any(cls.__name__ == "PreprocessingLayer" and (cls.__module__ or "").startswith("keras_hub.")
+               for cls in type(layer).__mro__)
 
 
 def _settle(layer) -> None:
