@@ -600,3 +600,75 @@ def test_float16_running_var_of_a_batch_variance_beyond_float16(triton_pool, for
     from test_functional import check_half_buffers, half_buffer_job
 
     check_half_buffers(triton_pool.run(half_buffer_job, 2, form, "triton")[:2])
+
+
+def overflow_beside_job(fused_ranks, paths, need_x=True, hard=3):
+    """Conv, batch norm (32 channels), LeakyReLU(0.1), conv, fused by fuse_batchnorm_act on
+    ``fused_ranks`` only, rank r on ``paths[r]``: "triton" (the kernels forced), "cuda" (the
+    torch-op CUDA path forced) or "cpu". ``hard`` of the 32 weights are 0 on every rank; 3
+    is more than the kernels' 2 kept channels: a fused rank on the kernels runs out of room,
+    a fused rank on a general path keeps all three, a plain rank keeps nothing. Without
+    ``need_x`` nothing before the layer needs a gradient. One step; returns (the error's
+    name or "ok", its message, the backward payload kernel's launches)."""
+    import contextlib
+
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+    from test_fingerprint import on_group
+
+    group = group_of(2)
+    fingerprint.reset()
+    if not in_group(2):
+        return None
+    rank = dist.get_rank()
+    forced = {"triton": stats._forced_triton_path, "cuda": stats._forced_cuda_path}.get(paths[rank])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 1), nn.BatchNorm2d(32), nn.LeakyReLU(0.1), nn.Conv2d(32, 1, 1))
+    with torch.no_grad():
+        model[1].bias.uniform_(-1.0, 1.0)
+        model[1].weight[:hard] = 0.0
+    model = syncbn.convert_sync_batchnorm(model)
+    if rank in fused_ranks:
+        model = syncbn.fuse_batchnorm_act(model)
+    on_group(model, group)
+    if not need_x:
+        model[0].requires_grad_(False)
+    x = torch.randn(2, 3, 3, 3, generator=torch.Generator().manual_seed(rank)) + 2
+    with _Launches() as launches:
+        try:
+            with forced() if forced else contextlib.nullcontext():
+                model(x).square().sum().backward()
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            return type(exc).__name__, str(exc), launches.calls["grad_payload"]
+        finally:
+            fingerprint.reset()
+    return "ok", "", launches.calls["grad_payload"]
+
+
+@pytest.mark.parametrize("fused_ranks,paths", [
+    ((0,), ("triton", "triton")), ((0,), ("triton", "cpu")), ((0,), ("triton", "cuda")),
+    ((0, 1), ("triton", "cpu")), ((0, 1), ("triton", "cuda")),
+])
+def test_every_rank_raises_when_a_fused_rank_beside_it_overflows(triton_pool, fused_ranks, paths):
+    """Rank 0's SyncBatchNormAct on the kernels runs out of kept channels; rank 1 runs the
+    same layer (one fingerprint, so their backward sums are added) as a SyncBatchNorm (the
+    model fused on rank 0 only) on the kernels, the CPU path or the CUDA torch-op path, or as
+    a SyncBatchNormAct on a general path (which keeps every channel it needs). Rank 0's
+    inexact sums are in both ranks' gradients, and rank 0 raises KeptChannelsOverflow when
+    its backward pass ends: rank 1 must too, at the same point, naming the other rank (it
+    returned normally, with inexact gradients, and would then wait in its next collective
+    for a rank that had raised). Also where rank 1's input and parameters before the
+    layer need no gradient (the backward all-reduce is made for the layer's weight)."""
+    for need_x in (True, False):
+        results = triton_pool.run(overflow_beside_job, fused_ranks, paths, need_x, timeout=120)[:2]
+        assert [r[0] for r in results] == ["KeptChannelsOverflow"] * 2, results
+        assert [r[2] > 0 for r in results] == [p == "triton" for p in paths]  # the kernels ran where asked
+        assert "on this rank or another of the process group" in results[0][1], results[0][1]
+        assert "another rank of the process group runs this layer" in results[1][1], results[1][1]
+
+
+@pytest.mark.parametrize("paths", [("triton", "triton"), ("triton", "cpu")])
+def test_no_rank_raises_beside_a_fused_rank_that_keeps_its_channels(triton_pool, paths):
+    """The same with 2 zero weights, as many as the kernels keep: no rank raises."""
+    results = triton_pool.run(overflow_beside_job, (0,), paths, True, 2, timeout=120)[:2]
+    assert [r[:2] for r in results] == [("ok", "")] * 2, results

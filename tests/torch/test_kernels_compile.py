@@ -131,8 +131,8 @@ def test_launchers_have_shapes_for_torch_compile():
         assert dx.shape == x.shape and dx.dtype == x.dtype and ok.dtype == fit.dtype == torch.bool and fit.dim() == 0
         out0 = kernels.grad_payload(grads, fixed.float(), stats, 0, torch.float32, torch.float32)[0]
         assert out0.shape == (18 + 12 + 1,)  # SyncBatchNorm: the same length, its overflow 0
-        assert len(kernels.input_grad(x, x, stats, scalars, w, None, None, None, out0, payload[18], fixed.float(),
-                                      0)) == 2
+        fit0 = kernels.input_grad(x, x, stats, scalars, w, None, None, None, out0, payload[18], fixed.float(), 0)[2]
+        assert fit0.dtype == torch.bool and fit0.dim() == 0  # SyncBatchNorm reads the summed overflow too
         x32 = x.float()  # ELU: the local extremes from the moments' pass
         payload, local = kernels.moment_payload(kernels.moment_partials(x32, True), fixed, 40, True)
         assert payload.shape == (18 + 1 + 12,) and local.shape == (2, 6) and local.dtype == torch.float64

@@ -50,7 +50,9 @@ optimizer step) raises :class:`KeptChannelsOverflow` rather than let an inexact
 gradient through, on every rank alike: where the layer syncs, each rank's overflow rides
 in the backward all-reduce (the last value of its payload, a slot that every path of both
 layers sends, 0 where nothing overflowed; made also where the rank's input needs no
-gradient, as in :class:`SyncBatchNorm`) and the check reads the group's sum.
+gradient, as in :class:`SyncBatchNorm`) and the check reads the group's sum: every
+synchronized backward does, so a :class:`SyncBatchNorm` rank beside it (a model fused on
+some ranks only) and a rank on the general path raise it too, at the same point.
 On the CPU, where the moments come from the centered input (:func:`syncbn.torch.stats.use_centered`),
 that centered input is normalized in place (exact where |mean| >> std); otherwise one more
 read of C flags on the CPU (no synchronisation there) picks how to normalize: the native
@@ -117,6 +119,7 @@ its input, which helps only where the next layer keeps that output too.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -135,8 +138,8 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import (_check_count, backward_payload, check_dtypes, flat_spatial, refuse_capture,
-                         refuse_create_graph, unflat_spatial)
+from .functional import (KeptChannelsOverflow, _check_count, backward_payload, check_dtypes, flat_spatial,
+                         kept_capacity, overflow_elsewhere, refuse_capture, refuse_create_graph, unflat_spatial)
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -417,6 +420,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
             packed, _ = fingerprint.all_reduce_checked(
                 packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
             )
+            # a SyncBatchNormAct of another rank on the kernels may have overflowed: raise with it
+            fingerprint.defer_overflow(packed[2 * channels],
+                                       functools.partial(overflow_elsewhere, "SyncBatchNormAct", channels, ctx.tag))
             total_dy, total_dy_xhat = packed[:channels], packed[channels:2 * channels] * invstd
         else:
             total_dy, total_dy_xhat = sum_dy, sum_dy_xhat
@@ -453,7 +459,9 @@ class _SyncBatchNormAct(torch.autograd.Function):
 # Where the layer syncs, the flag rides in the backward all-reduce (grad_payload writes the
 # rank's overflow after its sums, input_grad whether the group's sum is zero: no launch
 # more) and the check is on that sum, so every rank raises when any rank overflowed (its
-# inexact sums are in every rank's input gradient). A rank whose input needs no gradient
+# inexact sums are in every rank's input gradient; the plain layer's input_grad and the
+# general paths read that sum too, so ranks where this layer is a SyncBatchNorm, or off the
+# kernels, raise alike: functional._defer_overflow). A rank whose input needs no gradient
 # runs that all-reduce too (then three small torch ops read the verdict and the flag: not the
 # common case); a layer that does not sync checks the rank's own flag.
 # ELU's choice also depends on the data (each rank's own minimum and maximum per channel,
@@ -470,15 +478,6 @@ KERNEL_ELU_DTYPES = (torch.float32, torch.float64)
 def _takes_kernels(x: Tensor, activation: str) -> bool:
     return (activation in KERNEL_ACTIVATIONS and (activation != "elu" or x.dtype in KERNEL_ELU_DTYPES)
             and stats.cuda_path(x) and not distributed.compiling() and stats.triton_path(x))
-
-
-def kept_capacity(channels: int) -> int:
-    """How many channels' inputs the kernel path can keep per call (see above)."""
-    return max(1, channels // 16)
-
-
-class KeptChannelsOverflow(RuntimeError):
-    """More channels of a SyncBatchNormAct call needed their inputs kept than it holds."""
 
 
 def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, syncing, activation,
@@ -527,12 +526,14 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
     ctx.overflow = None
     if grads:
         kept_cap = kept_capacity(channels)
+        where = " (on this rank or another of the process group, whose sums are in every rank's)" if late else ""
         ctx.overflow = KeptChannelsOverflow(
             f"SyncBatchNormAct({channels}): more channels than the {kept_cap} it can keep have a weight too small "
             f"next to their bias ((|b| + tiny) / |w| > {budget:g}, w = 0 included)"
-            f"{' or saturate the ELU (exp(-z_min) / |w| > budget, or exp(-z_min) > 1 / (8 eps)) on at least one rank' if elu else ''} for their "
-            "input to be recovered from the output; this step's gradients are not exact. Use SyncBatchNorm followed "
-            "by the activation for this layer (syncbn.revert_sync_batchnorm, or fuse_batchnorm_act leaving it out).")
+            f"{' or saturate the ELU (exp(-z_min) / |w| > budget, or exp(-z_min) > 1 / (8 eps))' if elu else ''} for "
+            f"their input to be recovered from the output{where}; this step's gradients are not exact. Use "
+            "SyncBatchNorm followed by the activation for this layer (syncbn.revert_sync_batchnorm, or "
+            "fuse_batchnorm_act leaving it out).")
     if capacity >= 0 and not late:
         fingerprint.defer(fits, ctx.overflow)
     if n:
@@ -589,7 +590,7 @@ def _triton_backward(ctx, dy):
     if ctx.syncing:
         fingerprint.pending_verdict(summed[:fingerprint.SIZE], ctx.group, ctx.tag, ctx.world, backward=True, ok=ok)
     if ctx.late:  # every rank the same verdict on the group's overflow (an empty rank: one op)
-        fingerprint.defer(torch.eq(summed[flag], 0) if fit is None else fit, ctx.overflow)
+        fingerprint.defer_overflow(summed[flag], ctx.overflow, fit)
     if ctx.syncing:
         fingerprint.end_step(ctx.group)
     else:  # the kept-channel check of the forward (fingerprint.defer) when this pass ends

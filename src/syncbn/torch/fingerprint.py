@@ -10,7 +10,8 @@ payload's own dtype. No extra collective, a constant number of extra values. Eve
 path (CPU, CUDA, portable, compiled, the Triton kernels) of both layers sends the same
 payload, fingerprint first, then ``[n, n m, n (var + m^2)]`` forward and ``[sum dy, sum dy
 (x - mean), overflow]`` backward (``overflow``: the kept-channel overflow of
-:class:`syncbn.SyncBatchNormAct` on the kernels, 0 elsewhere), so ranks on different paths,
+:class:`syncbn.SyncBatchNormAct` on the kernels, 0 elsewhere; every synchronized backward
+reads its sum, :func:`defer_overflow`), so ranks on different paths,
 and a layer fused on some ranks only, still sum like with like. (A compiled call's index is 0, see below:
 beside an eager rank, a compiled rank agrees on the step's first layer only, and every
 rank raises at the second.)
@@ -99,6 +100,7 @@ __all__ = [
     "pending_verdict",
     "agreeing_values",
     "defer",
+    "defer_overflow",
     "check_after_backward",
     "check_agreement",
     "reset",
@@ -307,14 +309,41 @@ def agreeing_values(tag: Tag, world: int, dtype, device) -> Tensor:
     return stats.constant(_agreeing_sums, (tag, world), dtype, device)
 
 
-def defer(ok: Tensor, error: Exception) -> None:
-    """Raise ``error`` at the next :func:`check_agreement` unless ``ok`` (a 0-d bool tensor
+def defer(ok: Tensor, error) -> None:
+    """Raise ``error`` (an exception, or a callable that makes it, called only to raise) at
+    the next :func:`check_agreement` unless ``ok`` (a 0-d bool tensor
     on the device) holds: a device-side check of a layer call that costs no host read of
     its own (read with the step's verdicts; call :func:`check_after_backward` from the
     layer's backward so that it is read when that backward pass ends)."""
     _pending.append((ok, None, error, None, None, None))
     if len(_pending) > 1024:
         check_agreement()
+
+
+def defer_overflow(overflow: Tensor, error, fit: Optional[Tensor] = None) -> None:
+    """The kept-channel check of a synchronized backward call, the same on every rank.
+
+    ``overflow`` is the summed backward payload's last value (0-d): how many ranks'
+    :class:`syncbn.SyncBatchNormAct` ran out of kept channels in this call (a layer fused
+    on some ranks only, or fused ranks on different paths, share the payload). Every
+    synchronized backward, of either layer and on every path, reads it, so that every rank
+    raises ``error`` (a :class:`~syncbn.torch.batchnorm_act.KeptChannelsOverflow`, or a
+    callable making it, called only to raise) at the same point: when the backward pass
+    ends (:func:`check_agreement`), after the verdicts this call put before it. ``fit``:
+    the verdict ``overflow == 0`` computed already (by the input-gradient kernel). No host
+    read on the device (one comparison where ``fit`` is None); on the CPU the value is
+    read at once (free there) and only an overflow is queued. Under ``torch.compile`` an
+    assert inside the graph, as the fingerprint's."""
+    if distributed.compiling():
+        ok = torch.eq(overflow, 0) if fit is None else fit
+        torch._assert_async(ok, str(error() if callable(error) else error))
+        return
+    if fit is None and overflow.device.type in IMMEDIATE_DEVICES and not stats.cuda_path(overflow):
+        if not overflow.item():  # a host read that costs nothing on the CPU
+            return
+        fit = torch.zeros((), dtype=torch.bool)
+    defer(torch.eq(overflow, 0) if fit is None else fit, error)
+    check_after_backward()
 
 
 def check_after_backward() -> None:
@@ -368,7 +397,7 @@ def check_agreement() -> None:
         if not bool(ok):
             if sums is None:  # a deferred check (defer): its own error
                 _pending.clear()
-                raise tag
+                raise tag() if callable(tag) else tag
             _raise(tag, sums, world, rank[0], backward, rank[1])
 
 
@@ -384,9 +413,14 @@ def _raise(tag: Tag, sums: Tensor, world: int, rank: int, backward: bool, group=
 
 def _compiled_message(tag: Tag, backward: bool) -> str:
     phase = "backward" if backward else "forward"
-    known = _names.get(tag.ident)
-    name = known[0] if known else f"id {tag.ident:06x}"
+    name = _tag_name(tag)
     return (
         f"syncbn: the ranks of the process group are in different synchronized layer calls "
         f"({phase}); this rank called layer {name!r}"
     )
+
+
+def _tag_name(tag: Tag) -> str:
+    """The layer name of ``tag`` where this process knows it, else its id."""
+    known = _names.get(tag.ident)
+    return known[0] if known else f"id {tag.ident:06x}"

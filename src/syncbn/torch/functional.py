@@ -36,6 +36,7 @@ graph.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Optional
 
@@ -404,6 +405,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         channels = x.shape[1]
         packed = backward_payload(sum_dy, sum_dy_xmu)
         packed, _ = fingerprint.all_reduce_checked(packed, ctx.group, ctx.tag, ctx.world, backward=True)
+        _defer_overflow(packed[2 * channels], channels, ctx.tag)
         if need_x:
             global_dy, global_dy_xhat = packed[:channels], packed[channels:2 * channels] * invstd
             if x.numel() == 0:
@@ -476,6 +478,7 @@ def _synced_input_grad(ctx, dy, x, weight, mean, invstd, count, sum_dy: Tensor, 
     packed = distributed.all_reduce_sum(backward_payload(sum_dy, sum_dy_xmu, fixed), ctx.group)
     verdict = fingerprint.pending_verdict if cuda else fingerprint.check_now
     verdict(packed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+    _defer_overflow(packed[size + 2 * channels], channels, ctx.tag)
     if not need_x:
         return None
     if x.numel() == 0:
@@ -493,9 +496,56 @@ def backward_payload(sum_dy: Tensor, sum_dy_xmu: Tensor, fixed: Optional[Tensor]
     None). ``overflow`` counts the ranks whose :class:`syncbn.SyncBatchNormAct` ran out of
     kept channels on the Triton path (:func:`syncbn.torch.kernels.grad_payload` writes it
     there); every other path has none and sends 0, so that the payload has one length
-    and one meaning wherever it is made."""
+    and one meaning wherever it is made. Every synchronized backward reads the summed
+    value (:func:`_defer_overflow`), so that all ranks raise where one rank's fused layer
+    ran out."""
     zero = stats.constant(stats._filled, (0.0, 1), sum_dy.dtype, sum_dy.device)
     return torch.cat([sum_dy, sum_dy_xmu, zero] if fixed is None else [fixed, sum_dy, sum_dy_xmu, zero])
+
+
+def kept_capacity(channels: int) -> int:
+    """How many channels' inputs :class:`syncbn.SyncBatchNormAct` can keep per call on the
+    Triton kernels (``C // 16``, at least 1; see :mod:`syncbn.torch.batchnorm_act`)."""
+    return max(1, channels // 16)
+
+
+class KeptChannelsOverflow(RuntimeError):
+    """More channels of a SyncBatchNormAct call needed their inputs kept than it holds
+    (:mod:`syncbn.torch.batchnorm_act`, which exports it).
+
+    Raised when the backward pass ends, before any optimizer step. Where the layer syncs,
+    every rank of the group raises it for that call, also a rank whose own layer kept
+    every channel it needed: a SyncBatchNormAct beside one that overflowed, a
+    SyncBatchNormAct off the kernels (the general path keeps as many channels as it needs),
+    a :class:`syncbn.SyncBatchNorm` where the model is fused on some ranks only (see
+    :func:`overflow_elsewhere`)."""
+
+
+def overflow_elsewhere(layer: str, channels: int, tag) -> KeptChannelsOverflow:
+    """The error of a rank whose own call of a synchronized layer kept every channel it
+    needed (``layer``: ``"SyncBatchNorm"``, or ``"SyncBatchNormAct"`` off the kernels) when
+    the group's summed overflow says another rank's SyncBatchNormAct of the same
+    fingerprint ran out of kept channels: that rank's inexact sums are in this rank's
+    gradients too, so this rank raises with it, at the same point."""
+    return KeptChannelsOverflow(
+        f"{layer}({channels}) {fingerprint._tag_name(tag)!r}: another rank of the process group runs this layer as "
+        f"a SyncBatchNormAct on the Triton kernels, and it ran out of kept channels (more channels than the "
+        f"{kept_capacity(channels)} it can keep have a weight too small next to their bias, or saturate the ELU, "
+        "for their input to be recovered from the output); its inexact backward sums are in every rank's "
+        "gradients, so this step's gradients are not exact on any rank. Use SyncBatchNorm followed by the "
+        "activation for this layer on every rank (syncbn.revert_sync_batchnorm, or fuse_batchnorm_act leaving "
+        "it out).")
+
+
+def _defer_overflow(overflow: Tensor, channels: int, tag, fit: Optional[Tensor] = None) -> None:
+    """The group's summed kept-channel overflow (the payload's last value), read by this
+    layer too: where the model is fused on some ranks only, a SyncBatchNormAct of this
+    fingerprint on another rank may have run out of kept channels, its inexact sums now in
+    this rank's gradients; then every rank raises
+    :class:`KeptChannelsOverflow` when the backward pass ends,
+    as that rank does (:func:`syncbn.torch.fingerprint.defer_overflow`: no host read on
+    the device; ``fit``, the verdict from the input-gradient kernel)."""
+    fingerprint.defer_overflow(overflow, functools.partial(overflow_elsewhere, "SyncBatchNorm", channels, tag), fit)
 
 
 def _ones_like(invstd: Tensor) -> Tensor:
@@ -516,7 +566,8 @@ def _cpu_backward(ctx, dy, x, weight, mean, invstd, count, need_x, need_w, need_
 # the all-reduce, the fingerprint verdict (2), the merge (6), the running buffers (5: the
 # gate on the verdict and the count, the lerps, the two selections) and
 # batch_norm_elemt; backward: batch_norm_backward_reduce, one cat, the all-reduce, the
-# verdict (2), the integer count and batch_norm_backward_elemt. The payloads are those of
+# verdict (2), the group's kept-channel overflow (1: fingerprint.defer_overflow), the
+# integer count and batch_norm_backward_elemt. The payloads are those of
 # every path (so that ranks on different paths, compiled and eager, sum alike):
 # [fingerprint, n, n m, n (var + m^2)] forward, [fingerprint, sum dy, sum dy (x - mean), 0]
 # backward (backward_payload; the 0: the kept-channel overflow of the Triton path's
@@ -616,20 +667,22 @@ def _triton_backward(ctx, dy, x, weight, need_x, need_w, need_b):
         payload = _empty_payload(channels, fixed)  # [fixed, zeros of S1, S2 and the overflow]
         dw = torch.zeros(channels, dtype=wdtype, device=device)
         db = torch.zeros(channels, dtype=bdtype, device=device)
-    dx = None
+    dx = fit = None
     summed = distributed.all_reduce_sum(payload, ctx.group)  # with or without need_x: see backward
     size = fixed.shape[0]
     if need_x:
         if x.numel():
             agree = fingerprint.agreeing_values(ctx.tag, ctx.world, cdtype, device)
-            dx, ok = kernels.input_grad(dy, x, stats_c, scalars, weight, None, None, None, summed, count, agree, 0,
-                                        x.dtype)
+            # the kernel's verdicts: the fingerprint's and whether the summed overflow is 0
+            dx, ok, fit = kernels.input_grad(dy, x, stats_c, scalars, weight, None, None, None, summed, count, agree,
+                                             0, x.dtype)
             fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True, ok=ok)
         else:
             fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
             dx = torch.zeros_like(x)
     else:
         fingerprint.pending_verdict(summed[:size], ctx.group, ctx.tag, ctx.world, backward=True)
+    _defer_overflow(summed[size + 2 * channels], channels, ctx.tag, fit)  # fit None: one op (not the common case)
     return dx, dw if need_w else None, db if need_b else None
 
 

@@ -39,9 +39,9 @@ backward
        ``overflow`` is the activated layer's kept-channel overflow on this rank, 0 or 1 (so
        that the all-reduce counts the ranks that ran out of kept channels), always 0 for
        the plain layer; and the local weight and bias gradients;
-    3. (the all-reduce) then :func:`input_grad`: ``dx`` in one pass, and the backward
-       verdict (the activated layer: and whether the summed overflow is zero, the same on
-       every rank; the plain layer ignores it).
+    3. (the all-reduce) then :func:`input_grad`: ``dx`` in one pass, the backward
+       verdict and whether the summed overflow is zero, the same on every rank (both layers:
+       beside a plain layer, a layer fused on another rank may have overflowed).
 
 **Error analysis of the local moments.** ``x`` (float32 or half: a float32 value; float64)
 is converted to float64 exactly; ``t = x - K`` in float64 is exact for float32 inputs (two
@@ -633,10 +633,10 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
     got = tl.load(sum_ptr + lanes, mask=head, other=0.0)
     want = tl.load(agree_ptr + lanes, mask=head, other=0.0)
     tl.store(ok_ptr, tl.sum(tl.where(head & (got != want), 1, 0), axis=0) == 0, mask=first)
-    if MODE >= 1:  # the group's summed kept-channel overflow (grad_payload's last value): none
-        tl.store(fit_ptr, tl.load(sum_ptr + SIZE + 2 * C) == 0, mask=first)
-    else:
-        tl.store(fit_ptr, first, mask=first)  # true
+    # the group's summed kept-channel overflow (grad_payload's last value): none. The plain
+    # layer reads it too: beside it (a model fused on some ranks only) an activated layer
+    # of another rank may have run out of kept channels, and every rank raises alike
+    tl.store(fit_ptr, tl.load(sum_ptr + SIZE + 2 * C) == 0, mask=first)
     count = tl.load(count_ptr).to(ct)
     hi = tl.load(stats_ptr + cols, mask=cmask, other=0.0)
     lo = tl.load(stats_ptr + C + cols, mask=cmask, other=0.0)
@@ -1021,12 +1021,11 @@ def grad_payload(partials, fixed, stats, mode: int, weight_dtype, bias_dtype, fi
 
 def input_grad(dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree, mode: int,
                dtype: Optional[torch.dtype] = None):
-    """``(dx, ok)`` (kernel 3 backward): the input gradient from the group's sums
-    ``summed`` (``[fingerprint sums, S1, S2, overflow]`` from :func:`grad_payload`) and the
-    fingerprint's verdict; the plain layer (mode 0) ignores ``overflow``. For the activated
-    layer (``mode >= 1``) ``(dx, ok, fit)``: ``fit`` (0-d bool) whether the summed overflow
-    is zero, i.e. no rank of the group ran out of kept channels (the same value on every
-    rank), written by the same launch."""
-    dx, ok, fit = _ops()["triton_input_grad"](dy, src, stats, scalars, weight, bias, slots, keep, summed, count,
-                                              agree, mode, dtype or src.dtype)
-    return (dx, ok, fit) if mode >= 1 else (dx, ok)
+    """``(dx, ok, fit)`` (kernel 3 backward): the input gradient from the group's sums
+    ``summed`` (``[fingerprint sums, S1, S2, overflow]`` from :func:`grad_payload`), the
+    fingerprint's verdict and ``fit`` (0-d bool), whether the summed overflow is zero, i.e.
+    no rank of the group ran out of kept channels (the same value on every rank), written by
+    the same launch in every mode: the plain layer (mode 0) raises with the activated one
+    where a model is fused on some ranks only."""
+    return _ops()["triton_input_grad"](dy, src, stats, scalars, weight, bias, slots, keep, summed, count, agree,
+                                       mode, dtype or src.dtype)
