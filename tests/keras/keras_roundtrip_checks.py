@@ -1989,5 +1989,169 @@ def convert_keeps_layers_tied_as_a_keras_file_does():
     return {"weights": info}
 
 
+
+def hand_built_classes():
+    """A custom layer that makes a Dense and (``norm=True``) a BatchNormalization in its
+    constructor and builds them, with a weight of its own, in its ``build()``; a custom
+    layer without a ``build()`` of its own (a call builds the sub-layers it reaches, one only
+    in training); a subclassed model making a Dense and a BatchNormalization."""
+    import keras
+
+    register = keras.saving.register_keras_serializable(package="syncbn_by_hand")
+
+    @register
+    class HandBlock(keras.layers.Layer):
+        def __init__(self, units, norm=True, **kwargs):
+            super().__init__(**kwargs)
+            self.units, self.norm = units, norm
+            self.dense = keras.layers.Dense(units, name="dense")
+            self.bn = keras.layers.BatchNormalization(momentum=0.7, name="bn") if norm else None
+
+        def build(self, input_shape):
+            self.dense.build(input_shape)
+            self.scale = self.add_weight(shape=(self.units,), initializer="ones", name="scale")
+            if self.bn is not None:
+                self.bn.build((*input_shape[:-1], self.units))
+
+        def call(self, x, training=None):
+            h = self.dense(x) * self.scale
+            return h if self.bn is None else self.bn(h, training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "units": self.units, "norm": self.norm}
+
+    @register
+    class CalledBlock(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(4, name="dense")
+            self.bn = keras.layers.BatchNormalization(name="bn")
+            self.extra = keras.layers.Dense(4, name="extra")
+
+        def call(self, x, training=None):
+            h = self.bn(self.dense(x), training=training)
+            return self.extra(h) if training else h
+
+        def get_config(self):
+            return {**super().get_config(), "name": self.name}
+
+    @register
+    class HandNet(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(4, name="dense")
+            self.bn = keras.layers.BatchNormalization(name="bn")
+
+        def call(self, x, training=None):
+            return self.bn(self.dense(x), training=training)
+
+    return HandBlock, CalledBlock, HandNet
+
+
+@check
+def convert_keeps_weights_of_layers_built_by_hand():
+    """Layers built by hand (``layer.build(shape)``) or by an earlier call, held by a model
+    that is not built (a Sequential without an ``Input``, a subclassed model not yet called):
+    ``convert`` gives each copy the original's weights before the copy is ever called (every
+    path and value, the batch norm moving statistics included), its inference outputs are the
+    original's, and ``revert`` of it holds them too. Copied from its config and left unbuilt,
+    such a layer made fresh weights at the copy's first call, without a word (as
+    ``keras.models.clone_model``, which copies no weights, does); a Functional model holding a
+    layer whose training-only sub-layer an earlier training call built raised Keras's "was
+    never built" error. A layer marked built by hand whose weights no ``build()`` makes (so no
+    copy can make them) raises a ``ValueError`` naming it."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    rng = np.random.default_rng(43)
+    HandBlock, CalledBlock, HandNet = hand_built_classes()
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+
+    def block_built_by_hand(norm):
+        block = HandBlock(4, norm=norm, name="block")
+        block.build((None, 3))
+        return block
+
+    def called_block():
+        block = CalledBlock(name="called")
+        block(x, training=True)  # builds its training-only sub-layer too
+        return block
+
+    def dense_and_bn():
+        dense, bn = keras.layers.Dense(4, name="dense"), keras.layers.BatchNormalization(name="bn")
+        dense.build((None, 3))
+        bn.build((None, 4))
+        return keras.Sequential([dense, bn], name="model")
+
+    def hand_net():
+        net = HandNet(name="net")
+        net.dense.build((None, 3))
+        net.bn.build((None, 4))
+        return net
+
+    def functional():
+        inputs = keras.Input((3,))
+        return keras.Model(inputs, called_block()(inputs), name="model")
+
+    cases = {  # what each model holds, and its batch norm layers
+        "custom layer with batch norm built by hand": (
+            lambda: keras.Sequential([block_built_by_hand(True)], name="model"), 1),
+        "custom layer without batch norm built by hand": (
+            lambda: keras.Sequential([block_built_by_hand(False), keras.layers.BatchNormalization(name="bn")],
+                                     name="model"), 1),
+        "custom layer built by an earlier call": (lambda: keras.Sequential([called_block()], name="model"), 1),
+        "Dense and BatchNormalization built by hand": (dense_and_bn, 1),
+        "Sequential in a Sequential": (
+            lambda: keras.Sequential([keras.Sequential([block_built_by_hand(True)], name="inner")], name="model"), 1),
+        "subclassed model, its layers built by hand": (hand_net, 1),
+        "Functional model, a training-only sub-layer built": (functional, 1),
+    }
+    info = {}
+    for where, (make, bn_count) in cases.items():
+        model = make()
+        for layer in every_layer(model):
+            if layer.built and layer.weights:
+                randomize(layer, rng)
+        want = [(w.path, np.array(keras.ops.convert_to_numpy(w))) for w in model.weights]
+        assert want, f"{where}: vacuous, no weight built"
+        synced = convert(model)
+        assert kinds(synced) == (0, bn_count), (where, kinds(synced))
+        back = revert(synced)
+        for label, copy in (("convert", synced), ("revert(convert)", back)):
+            got = [(w.path, np.array(keras.ops.convert_to_numpy(w))) for w in copy.weights]
+            assert [p for p, _ in got] == [p for p, _ in want], (where, label, [p for p, _ in got], [p for p, _ in want])
+            for (path, a), (_, b) in zip(got, want):
+                assert np.all(np.isfinite(a)), f"{where}, {label}: {path} is not finite"
+                np.testing.assert_array_equal(a, b, err_msg=f"{where}, {label}: {path}")
+        # called after the copies were made: the original's first call builds what it builds
+        assert_same_inference({"convert": synced, "revert(convert)": back}, model, x, where)
+        if type(model) is keras.Sequential:  # Keras's own copy makes them afresh
+            cloned = keras.models.clone_model(model)
+            cloned(x)
+            info[where] = "clone_model keeps them" if all(np.array_equal(keras.ops.convert_to_numpy(a), b)
+                                                        for a, (_, b) in zip(cloned.weights, want)) else "clone_model does not"
+        else:
+            info[where] = len(want)
+        assert isinstance(synced, keras.Model) and any(
+            isinstance(layer, SyncBatchNormalization) for layer in every_layer(synced)), where
+
+    class Manual(keras.layers.Layer):  # its weight made outside build(): no copy can make it
+        def make(self):
+            self.w = self.add_weight(shape=(3,), name="w")
+            self.built = True
+
+        def call(self, x):
+            return x * self.w
+
+    manual = Manual(name="manual")
+    manual.make()
+    _, message = converted_or_raised(keras.Sequential([manual, keras.layers.BatchNormalization(name="bn")]))
+    assert message is not None, "a copy that would start from fresh weights converted without a word"
+    for needle in ("'manual' (Manual)", "fresh weights", "Make its weights in its build()"):
+        assert needle in message, (needle, message)
+    info["marked built by hand"] = message.split(": ")[1].split(", and")[0]
+    return info
+
 if __name__ == "__main__":
     worker_main(CHECKS)

@@ -68,26 +68,29 @@ def convert(model):
     Keras's own ``save_own_variables`` / ``load_own_variables`` and ``save_assets`` /
     ``load_assets``: its weights, an adapted ``Normalization``'s statistics, an adapted
     lookup layer's vocabulary; and a stateful RNN's current states, with every model's
-    ``trainable`` flag. Python attributes set after construction and absent from the
-    config cannot be copied: a public one of a plain value (a number, a string) that the
-    copy has otherwise is named in a warning. Where a layer's copy from its config has
-    other sub-layers than it (a constructor argument its ``get_config()`` leaves out
-    decides them, one was assigned again before building, or the call that built it made
-    one according to a call argument), the layers are paired by where each is held
-    (``block/drop``): those alike get their state, a differing one that holds none is named
-    in a warning, and one holding state without a counterpart raises ``ValueError``, naming
-    it. A sub-layer's ``trainable`` flag (a frozen backbone) and LoRA enabled on it are
-    given to its copy; one whose config differs otherwise in the copy (assigned again
-    before building with other arguments, quantized) raises ``ValueError``, naming it and
-    the entries, as the copy would compute something else (on the torch backend, the torch
-    module that a ``keras.layers.TorchModuleWrapper``'s config carries pickled is compared
-    without its train/eval modes, which the copy takes from the original's, module by
-    module). A layer held in two places (an
-    ``Embedding`` that a custom layer projects onto, for weight tying) stays one layer in
-    the copy where its holder returns it in ``get_config()`` through
-    ``keras.saving.serialize_keras_object`` (as a ``.keras`` file keeps it; ``clone_model``
-    makes two); a tie that the copy would lose raises ``ValueError``, naming the layer.
-    Seed generators (Dropout) start afresh.
+    ``trainable`` flag. A layer built by hand (``layer.build(shape)``) or by an earlier call
+    inside a model not built (a Sequential without an ``Input``, a subclassed model not yet
+    called) is built in the copy as in the original, from its build config, and holds its
+    weights before the copy's first call; one marked built by hand whose weights no
+    ``build()`` makes raises ``ValueError``, naming it. Python attributes set after
+    construction and absent from the config cannot be copied: a public one of a plain value
+    (a number, a string) that the copy has otherwise is named in a warning. Where a layer's
+    copy from its config has other sub-layers than it (a constructor argument its
+    ``get_config()`` leaves out decides them, one was assigned again before building, or the
+    call that built it made one according to a call argument), the layers are paired by
+    where each is held (``block/drop``): those alike get their state, a differing one that
+    holds none is named in a warning, and one holding state without a counterpart raises
+    ``ValueError``, naming it. A sub-layer's ``trainable`` flag (a frozen backbone) and LoRA
+    enabled on it are given to its copy; one whose config differs otherwise in the copy
+    (assigned again before building with other arguments, quantized) raises ``ValueError``,
+    naming it and the entries, as the copy would compute something else (on the torch
+    backend, the torch module that a ``keras.layers.TorchModuleWrapper``'s config carries
+    pickled is compared without its train/eval modes, which the copy takes from the
+    original's, module by module). A layer held in two places (an ``Embedding`` that a
+    custom layer projects onto, for weight tying) stays one layer in the copy where its
+    holder returns it in ``get_config()`` through ``keras.saving.serialize_keras_object``
+    (as a ``.keras`` file keeps it; ``clone_model`` makes two); a tie that the copy would
+    lose raises ``ValueError``, naming the layer. Seed generators (Dropout) start afresh.
 
     The copy is not compiled, whether or not ``model`` was: compile it (inside
     ``strategy.scope()`` when training with a ``tf.distribute`` strategy, and build or
@@ -209,9 +212,12 @@ class _Swap:
 
     def _copied(self, old, new):
         """Give ``new`` (a fresh copy of the layer ``old`` from its config) ``old``'s state
-        if ``old`` is built (:func:`_copy_state`), else check its sub-layers as that does
-        (:func:`_pair_sub_layers`)."""
-        if old.built and new.built:
+        where ``old`` or a layer of its tree is built (:func:`_copy_state`), each layer of
+        ``new``'s tree built first where its counterpart is (:func:`_build_as_built`: a
+        layer built by hand in a Sequential without an ``Input``, or by an earlier call),
+        else check its sub-layers as that does (:func:`_pair_sub_layers`)."""
+        if any(layer.built for layer in old._flatten_layers(include_self=True, recursive=True)):
+            _build_as_built(old, new, self.verb)
             self._note(old, *_copy_state(old, new, self.verb))
         else:
             self._note(old, [], [], _pair_sub_layers(old, new, self.verb)[0])
@@ -1449,6 +1455,62 @@ def _outer_scopes(layer):
         for part in parts[:-2]:
             stack.enter_context(keras.name_scope(part))
     return stack
+
+
+def _build_as_built(old, new, verb):
+    """Build each layer of ``new``'s tree (a fresh copy of ``old`` from its config) whose
+    counterpart in ``old``'s tree (paired as :func:`_pair_trees` pairs them) is built and
+    it is not, owners before the layers they hold, as a ``.keras`` file rebuilds a layer:
+    ``build_from_config`` of the original's ``get_build_config()`` (the input shape it was
+    built for), in the name scopes its weights were made in. A layer built by hand
+    (``layer.build(shape)``) or by a call, held by a model not built (a Sequential without
+    an ``Input``, a subclassed model not yet called), is copied from its config unbuilt, and
+    would otherwise make fresh weights when the copy is first called. Each layer is built
+    as the original's is, and no other: called later, the copy builds what the original
+    would (a layer marked built by hand, whose ``build()`` never ran, holding no state
+    itself, is marked so in the copy). Where such a layer holds state (weights that no
+    ``build()`` makes), or building a copy fails or leaves it unbuilt, raises ``ValueError``
+    naming it."""
+    done = set()
+    while True:
+        pairs, _, _ = _pair_trees(old, new)
+        todo = [(a, b) for _, a, b in pairs if a.built and not b.built and id(b) not in done]
+        if not todo:
+            return
+        a, b = todo[0]
+        done.add(id(b))
+        where = f"{a.name!r} ({type(a).__name__})" + ("" if a is old else f" in {old.name!r}")
+        cannot = (f"{verb}: cannot copy the state of {where}: it is built, but its copy, rebuilt from "
+                  "its config, is not")
+        fix = (f"Build the model before {verb}ing it: call it once on a batch (or start a Sequential "
+               "with keras.Input(shape)), so that its layers are built where they are called")
+        config = a.get_build_config()
+        if not config and not _state_held(a):
+            # marked built by hand, its own build() never run (that records an input shape,
+            # none for a build() without arguments): the flag is all it has, and the copy
+            # gets it, so that no build() of the copy's makes its sub-layers afresh later
+            b.built = True
+            continue
+        if not config:
+            raise ValueError(
+                f"{cannot}, and no build() of it ran (its get_build_config() is empty: it was marked "
+                "built by hand), so the copy would start from fresh weights, as a .keras file would. "
+                "Make its weights in its build(), from the input shape (or in its __init__())")
+        try:
+            with _outer_scopes(a), warnings.catch_warnings():
+                # Keras's default build() (a layer without its own) warns that it leaves the
+                # sub-layers unbuilt: those built in the original are built next, one by one
+                warnings.filterwarnings("ignore", message=r"`build\(\)` was called on layer")
+                b.build_from_config(config)
+        except Exception as err:
+            raise ValueError(
+                f"{cannot}, and building the copy from the original's build config {config} failed "
+                f"({type(err).__name__}: {err}), so the copy would start from fresh weights. {fix}"
+            ) from err
+        if not b.built:
+            raise ValueError(
+                f"{cannot}, and it stayed unbuilt after build_from_config({config}), so it would "
+                f"start from fresh weights. {fix}")
 
 
 def _build_like(new, old, verb):
