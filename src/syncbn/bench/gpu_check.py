@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..tools.usage import positive_int
+
 # the CPU bench's grid of per-rank inputs, and two segmentation-sized ones
 SHAPES = [[n, c, hw, hw] for n in (2, 8) for c in (64, 256) for hw in (28, 56)] + [[2, 64, 256, 256],
                                                                                   [2, 256, 128, 128]]
@@ -619,18 +621,6 @@ def compile_job(device: str) -> list:
              "seconds": round(time.time() - started, 1)}] if rank == 0 else None
 
 
-def _repeats(text: str) -> int:
-    """``--repeats``: a positive integer (0 or fewer left every timing section without a
-    single measured step: a StatisticsError in the report, and exit 0)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 # the sections, in the order they run
 SECTIONS = ("oracle", "numerics", "counts", "timing", "emulated", "graphs", "deeplab", "compile")
 
@@ -639,7 +629,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m syncbn.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="syncbn-out/gpu-check")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--repeats", type=_repeats, default=30,
+    parser.add_argument("--repeats", type=positive_int, default=30,
                         help="timed steps per point of the timing sections, after 5 warm-up steps (default 30)")
     # named choices: a misspelt section ran nothing and exited 0 (a GPU machine's time spent)
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, metavar="SECTION",

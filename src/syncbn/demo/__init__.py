@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..tools.usage import UsageError, packages_missing
+from ..tools.usage import UsageError, packages_missing, positive_int
 from .config import FRAMEWORKS, KERAS_BACKENDS, QUICK, TORCH_BACKENDS, DemoConfig, check, config_from_args, to_argv
 
 __all__ = ["DemoConfig", "QUICK", "HELP", "add_arguments", "config_from_args", "run", "to_argv"]
@@ -55,15 +55,6 @@ over W host CPU devices (W GPUs with --device cuda); run 2 is traced inside
 with syncbn.flax.convert(axis_name="batch"). Needs JAX and Flax only.
 """
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``syncbn demo`` options (every default is that of :class:`DemoConfig`)."""
@@ -73,12 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--framework", choices=FRAMEWORKS, default=None,
         help=f"which framework trains the three runs (default {d.framework})")
-    add("--world-size", type=_positive, default=None, metavar="W",
+    add("--world-size", type=positive_int, default=None, metavar="W",
         help=f"number of ranks (torch: worker processes spawned on this machine; ignored under "
              f"torchrun, where WORLD_SIZE decides), replicas (keras) or devices (flax) (default {d.world_size})")
-    add("--batch-per-rank", type=_positive, default=None, metavar="B",
+    add("--batch-per-rank", type=positive_int, default=None, metavar="B",
         help=f"images per rank and step (default {d.batch_per_rank}); the big-batch run gets W x B")
-    add("--steps", type=_positive, default=None,
+    add("--steps", type=positive_int, default=None,
         help=f"optimizer steps of each run (default {d.steps}; --quick: {QUICK['steps']})")
     add("--lr", type=float, default=None,
         help=f"peak SGD learning rate, cosine-decayed to 0 over the steps (default {d.lr}; "
@@ -87,13 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"weight of background pixels in the cross-entropy, digits weigh 1 (default {d.background_weight})")
     add("--image-size", type=int, default=None, metavar="S",
         help=f"side of the square canvases in pixels, a multiple of 8, at least 16 (default {d.image_size})")
-    add("--width", type=_positive, default=None,
+    add("--width", type=positive_int, default=None,
         help=f"channels of the network's first stage, doubled at each level (default {d.width})")
-    add("--train-size", type=_positive, default=None, metavar="N",
+    add("--train-size", type=positive_int, default=None, metavar="N",
         help=f"training canvases (default {d.train_size}; --quick: {QUICK['train_size']})")
-    add("--val-size", type=_positive, default=None, metavar="N",
+    add("--val-size", type=positive_int, default=None, metavar="N",
         help=f"validation canvases for the mIoU (default {d.val_size}; --quick: {QUICK['val_size']})")
-    add("--eval-every", type=_positive, default=None, metavar="K",
+    add("--eval-every", type=positive_int, default=None, metavar="K",
         help=f"evaluate and compare the runs every K steps (default {d.eval_every}; "
              f"--quick: {QUICK['eval_every']})")
     add("--backend", choices=TORCH_BACKENDS + KERAS_BACKENDS, default=None,

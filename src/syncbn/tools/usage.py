@@ -9,17 +9,19 @@
   says so in one line, before it starts anything.
 - :func:`packages_missing`: the same for the packages a run needs (``syncbn demo``:
   its framework, scikit-learn, matplotlib, tqdm), found without importing them.
+- :func:`positive_int`: the ``argparse`` type of a count option (sizes, steps, repeats).
 
 Imports no framework (``syncbn demo --framework keras`` and ``flax`` use it without torch).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from typing import Sequence
 
-__all__ = ["UsageError", "packages_missing", "torch_missing"]
+__all__ = ["UsageError", "packages_missing", "positive_int", "torch_missing"]
 
 # the import name -> the name pip installs it by, where they differ
 _PIP_NAMES = {"sklearn": "scikit-learn"}
@@ -27,6 +29,17 @@ _PIP_NAMES = {"sklearn": "scikit-learn"}
 
 class UsageError(ValueError):
     """A bad factory path, input shape or option (exit status 2)."""
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer of 1 or more (argparse names the option and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def torch_missing(command: str) -> bool:
