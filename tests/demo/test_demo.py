@@ -19,7 +19,7 @@ import torch
 import doc_blocks
 from demo_checks import DEADLINE_S, check_report, run_command, start_together
 from syncbn import cli, demo
-from syncbn.demo import report as demo_report, torch as demo_torch
+from syncbn.demo import keras as demo_keras, report as demo_report, torch as demo_torch
 from syncbn.tools.usage import UsageError
 
 NO_FLAX = importlib.util.find_spec("flax") is None
@@ -208,13 +208,14 @@ else:
 def test_cuda_on_jax_without_a_gpu_is_refused_not_run_on_the_cpu():
     """``--device cuda`` for the Flax and Keras-on-JAX demos: ``jax.devices()`` falls back to
     the CPU where there is no GPU, so one replica ran there in silence, and more were
-    refused as "JAX sees 1" (the CPU counted as a GPU)."""
+    refused as "JAX sees 1" (the CPU counted as a GPU). One replica is one (it said "1 replicas
+    on GPUs need 1 GPUs")."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     proc = subprocess.run([sys.executable, "-c", CUDA_ON_JAX], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     if "has a GPU" in proc.stdout:
         pytest.skip("JAX sees a GPU here")
-    assert proc.stdout.startswith("refused: syncbn demo: --device cuda: 1 replicas on GPUs need 1 GPUs, JAX sees 0"), \
+    assert proc.stdout.startswith("refused: syncbn demo: --device cuda: 1 replica on GPUs needs 1 GPU, JAX sees 0"), \
         proc.stdout
 
 
@@ -366,6 +367,40 @@ def test_one_rank_has_no_separation_bar(tmp_path, capsys, title, unit):
             f"cannot separate: the 100x bar needs 2 or more {unit}s (--world-size).") in table, table
     with open(tmp_path / "results.json") as fh:
         assert json.load(fh)["per_rank_bn_further_away"] is None
+
+
+@pytest.mark.parametrize("world, batch, steps, words", [
+    (1, 1, 1, ("1 worker process (", "1 rank x 1 image = global batch 1, 1 step,")),
+    (2, 2, 2, ("2 worker processes (", "2 ranks x 2 images = global batch 4, 2 steps,")),
+])
+def test_counts_are_plural_unless_one(monkeypatch, capsys, world, batch, steps, words):
+    """The spawned demo printed "starting 1 worker processes" and its report "1 ranks x 1
+    images", "1 steps"; the counts of its lines and of results.json agree with their number."""
+    config = demo.DemoConfig(world_size=world, batch_per_rank=batch, steps=steps, samples=1)
+
+    class Started(Exception):
+        pass
+
+    def pool(*args, **kwargs):  # the line is printed before the pool starts: stop there
+        raise Started
+
+    monkeypatch.setattr(demo_torch, "WorkerPool", pool)
+    with pytest.raises(Started):
+        demo_torch._run_spawned(config)
+    assert f"syncbn demo: starting {words[0]}gloo, cpu)" in capsys.readouterr().out
+    records = {"per_rank_bn": _record("per-rank BN under DDP", 1.0, steps), "syncbn": _record("syncbn", 0.0, steps),
+               "big_batch": _record("one process", 0.0, steps)}
+    report = demo_torch._summarize(config, "spawned", records, np.zeros((1, 1, 4, 4), np.float32),
+                                   np.zeros((1, 4, 4), np.int64))
+    assert report["setup"].startswith(words[1]), report["setup"]
+    assert f"over {steps} step{'s' if steps > 1 else ''}, " in report["optimizer"], report["optimizer"]
+    done = demo_report.run_done_line(1, records["syncbn"], steps)
+    assert done.startswith(f"[1/3] syncbn: {steps} step{'s' if steps > 1 else ''} in "), done
+    for unit in ("rank", "replica", "device"):  # the Keras and Flax demos' first line and setup
+        assert demo_report.batch_words(config, unit) == (f"1 {unit} x 1 image" if world == 1 else
+                                                          f"2 {unit}s x 2 images")
+    assert demo_keras._replicas_need(world, "GPU", " on GPUs") == (
+        "1 replica on GPUs needs 1 GPU" if world == 1 else "2 replicas on GPUs need 2 GPUs")
 
 
 def test_figures_that_are_not_finite_are_written_as_null(tmp_path, capsys):

@@ -134,8 +134,9 @@ def train_three_ways(config, devices: List, progress: bool) -> dict:
         return report_.in_chunks(lambda x: _classes(variables, x), images)
 
     names = [f"{d.platform}:{d.id}" for d in devices]
-    print(f"syncbn demo: Flax {flax.__version__} (linen) on JAX {jax.__version__}, {config.world_size} devices x "
-          f"{config.batch_per_rank} images (global batch {config.global_batch}), {config.steps} steps, "
+    print(f"syncbn demo: Flax {flax.__version__} (linen) on JAX {jax.__version__}, "
+          f"{report_.batch_words(config, 'device')} (global batch {config.global_batch}), "
+          f"{report_.counted(config.steps, 'step')}, "
           f"{config.image_size}x{config.image_size} canvases, devices {', '.join(names)}", flush=True)
     titles = {
         "per_rank_bn": "per-device BN, pmap",
@@ -148,9 +149,9 @@ def train_three_ways(config, devices: List, progress: bool) -> dict:
         records[name] = _run(position, titles[name], modes[name], devices, model, initial, config, data,
                              predict, progress)
     kinds = sorted({d.platform.upper() for d in devices})
-    setup = (f"{config.world_size} devices x {config.batch_per_rank} images = global batch "
-             f"{config.global_batch}, {config.steps} steps, Flax linen under jax.pmap over "
-             f"{len(devices)} {'/'.join(kinds)} devices")
+    setup = (f"{report_.batch_words(config, 'device')} = global batch "
+             f"{config.global_batch}, {report_.counted(config.steps, 'step')}, Flax linen under jax.pmap over "
+             f"{report_.counted(len(devices), '/'.join(kinds) + ' device')}")
     meta = {
         "framework": "flax",
         "flax_version": flax.__version__,
@@ -164,7 +165,7 @@ def train_three_ways(config, devices: List, progress: bool) -> dict:
         "conversion": 'with syncbn.flax.convert(axis_name="batch"): (run 2 traced inside it)',
         "loss": "mean over the images of each image's mean pixel cross-entropy "
                 f"(background pixels weighted {config.background_weight}, digit pixels 1)",
-        "optimizer": f"SGD (lr={config.lr} cosine-decayed to 0 over {config.steps} steps, "
+        "optimizer": f"SGD (lr={config.lr} cosine-decayed to 0 over {report_.counted(config.steps, 'step')}, "
                      f"momentum={config.momentum} as torch: v = m v + g, p -= lr v; no weight decay)",
     }
     samples = {"images": data.val_images[: config.samples], "truth": data.val_y[: config.samples]}

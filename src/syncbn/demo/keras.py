@@ -63,6 +63,13 @@ def _prepare(config: DemoConfig) -> List[str]:
     return _jax_devices(config)
 
 
+def _replicas_need(world: int, what: str, where: str = "") -> str:
+    """ "2 replicas on GPUs need 2 GPUs", "1 replica on GPUs needs 1 GPU"."""
+    from .report import counted
+
+    return f"{counted(world, 'replica')}{where} {'needs' if world == 1 else 'need'} {counted(world, what)}"
+
+
 def _tf_devices(config: DemoConfig) -> List[str]:
     import tensorflow as tf
 
@@ -70,7 +77,7 @@ def _tf_devices(config: DemoConfig) -> List[str]:
     gpus = tf.config.list_physical_devices("GPU")
     if config.device == "cuda" or (config.device == "auto" and len(gpus) >= world):
         if len(gpus) < world:
-            raise SystemExit(f"syncbn demo: {world} replicas on GPUs need {world} GPUs, TensorFlow sees {len(gpus)}")
+            raise SystemExit(f"syncbn demo: {_replicas_need(world, 'GPU', ' on GPUs')}, TensorFlow sees {len(gpus)}")
         return [f"/gpu:{i}" for i in range(world)]
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * world)
@@ -92,10 +99,10 @@ def _jax_devices(config: DemoConfig) -> List[str]:
         except RuntimeError:  # no GPU backend at all
             found = []
         if len(found) < world:
-            raise SystemExit(f"syncbn demo: --device cuda: {world} replicas on GPUs need {world} GPUs, "
+            raise SystemExit(f"syncbn demo: --device cuda: {_replicas_need(world, 'GPU', ' on GPUs')}, "
                              f"JAX sees {len(found)}")
     else:
         found = jax.devices()
         if len(found) < world:
-            raise SystemExit(f"syncbn demo: {world} replicas need {world} JAX devices, JAX sees {len(found)}")
+            raise SystemExit(f"syncbn demo: {_replicas_need(world, 'JAX device')}, JAX sees {len(found)}")
     return [f"{d.platform}:{d.id}" for d in found[:world]]

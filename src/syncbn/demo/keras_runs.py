@@ -256,8 +256,9 @@ def train_three_ways(config, devices: List[str], progress: bool) -> dict:
     probe = tiny_unet(config.seed, config.image_size, width=config.width)
     initial = probe.get_weights()
     backend = keras.backend.backend()
-    print(f"syncbn demo: Keras {keras.__version__} on {backend}, {config.world_size} replicas x "
-          f"{config.batch_per_rank} images (global batch {config.global_batch}), {config.steps} steps, "
+    print(f"syncbn demo: Keras {keras.__version__} on {backend}, "
+          f"{report_.batch_words(config, 'replica')} (global batch {config.global_batch}), "
+          f"{report_.counted(config.steps, 'step')}, "
           f"{config.image_size}x{config.image_size} canvases, devices {', '.join(devices)}", flush=True)
     if backend == "tensorflow":
         import tensorflow as tf
@@ -277,9 +278,9 @@ def train_three_ways(config, devices: List[str], progress: bool) -> dict:
     if synced != count_batchnorm(probe):
         raise RuntimeError(f"convert left {count_batchnorm(probe) - synced} BatchNormalization layers unsynchronized")
     kinds = sorted({d.strip("/").split(":")[0].upper() for d in devices})
-    setup = (f"{config.world_size} replicas x {config.batch_per_rank} images = global batch "
-             f"{config.global_batch}, {config.steps} steps, Keras/{backend} {how} over "
-             f"{len(devices)} {'/'.join(kinds)} devices")
+    setup = (f"{report_.batch_words(config, 'replica')} = global batch "
+             f"{config.global_batch}, {report_.counted(config.steps, 'step')}, Keras/{backend} {how} over "
+             f"{report_.counted(len(devices), '/'.join(kinds) + ' device')}")
     meta = {
         "framework": "keras",
         "keras_backend": backend,
@@ -293,7 +294,7 @@ def train_three_ways(config, devices: List[str], progress: bool) -> dict:
         },
         "loss": "mean over the images of each image's mean pixel cross-entropy "
                 f"(background pixels weighted {config.background_weight}, digit pixels 1)",
-        "optimizer": f"keras SGD(lr={config.lr} CosineDecay to 0 over {config.steps} steps, "
+        "optimizer": f"keras SGD(lr={config.lr} CosineDecay to 0 over {report_.counted(config.steps, 'step')}, "
                      f"momentum={config.momentum}, no weight decay)",
     }
     samples = {"images": data.val_images[: config.samples], "truth": data.val_y[: config.samples]}

@@ -40,9 +40,24 @@ __all__ = [
     "summarize",
     "write_report",
     "format_table",
+    "counted",
+    "batch_words",
 ]
 
 RUNS = ("per_rank_bn", "syncbn", "big_batch")
+
+
+def counted(n: int, noun: str, plural: Optional[str] = None) -> str:
+    """``n`` and ``noun``, plural (``plural``, else ``noun`` + s) unless ``n`` is 1:
+    "1 rank", "2 ranks", "1 worker process"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
+def batch_words(config, unit: str) -> str:
+    """The demo's batch in words, "2 ranks x 8 images", ``unit`` being what a framework's
+    demo calls a rank ("rank", "replica", "device"); counted, so 1 is "1 rank x 1 image"."""
+    return f"{counted(config.world_size, unit)} x {counted(config.batch_per_rank, 'image')}"
+
 
 DIFF_BAR = 1e-3
 # per-rank BN must end at least this many times further from the big batch than syncbn
@@ -150,7 +165,7 @@ def bar_text(record: RunRecord) -> str:
 
 def run_done_line(position: int, record: RunRecord, steps: int) -> str:
     """The line printed after a run when there is no progress bar."""
-    return (f"[{position}/3] {record.title}: {steps} steps in {record.seconds:.1f} s, "
+    return (f"[{position}/3] {record.title}: {counted(steps, 'step')} in {record.seconds:.1f} s, "
             f"final loss {record.losses[-1]:.4f}, val mIoU {record.miou[steps]:.3f}")
 
 

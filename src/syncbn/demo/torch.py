@@ -76,7 +76,8 @@ def run(config: DemoConfig, args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != world and int(os.environ["RANK"]) == 0:
-            print(f"syncbn demo: --world-size {args.world_size} ignored, torchrun started {world} ranks",
+            print(f"syncbn demo: --world-size {args.world_size} ignored, torchrun started "
+                  f"{report_.counted(world, 'rank')}",
                   file=sys.stderr)
         config.world_size = world
         _check(config)
@@ -92,8 +93,8 @@ def run(config: DemoConfig, args: argparse.Namespace) -> int:
 
 def _run_spawned(config: DemoConfig) -> int:
     start = time.perf_counter()
-    print(f"syncbn demo: starting {config.world_size} worker processes ({config.backend}, {config.device})",
-          flush=True)
+    workers = report_.counted(config.world_size, "worker process", "worker processes")
+    print(f"syncbn demo: starting {workers} ({config.backend}, {config.device})", flush=True)
     with WorkerPool(config.world_size, backend=config.backend, timeout=_COLLECTIVE_TIMEOUT_S) as pool:
         results = pool.run(train_on_rank, config, "spawned", timeout=_job_timeout(config))
     report = results[0]
@@ -299,8 +300,8 @@ def _distributed_runs(config: DemoConfig, launcher: str):
     progress = sys.stderr.isatty() if config.progress is None else config.progress
     ctx = _Context(rank, world, device, rank == 0, progress and rank == 0)
     if ctx.main:
-        print(f"syncbn demo: {world} ranks x {config.batch_per_rank} images "
-              f"(global batch {config.global_batch}), {config.steps} steps, "
+        print(f"syncbn demo: {report_.batch_words(config, 'rank')} "
+              f"(global batch {config.global_batch}), {report_.counted(config.steps, 'step')}, "
               f"{config.image_size}x{config.image_size} canvases, {config.device}/{config.backend}, "
               f"{launcher}", flush=True)
     data = _load_data(config, device)
@@ -333,8 +334,8 @@ def _reference_and_summary(config: DemoConfig, launcher: str, ctx: _Context, dat
 
 def _summarize(config, launcher, records, sample_x, sample_y) -> dict:
     probe = build_segmentation_model(config.seed, width=config.width)
-    setup = (f"{config.world_size} ranks x {config.batch_per_rank} images = global batch {config.global_batch}, "
-             f"{config.steps} steps, torch DDP {config.device}/{config.backend} ({launcher})")
+    setup = (f"{report_.batch_words(config, 'rank')} = global batch {config.global_batch}, "
+             f"{report_.counted(config.steps, 'step')}, torch DDP {config.device}/{config.backend} ({launcher})")
     meta = {
         "framework": "torch",
         "torch_version": torch.__version__,
@@ -345,7 +346,7 @@ def _summarize(config, launcher, records, sample_x, sample_y) -> dict:
         },
         "loss": "mean over the images of each image's mean pixel cross-entropy "
                 f"(background pixels weighted {config.background_weight}, digit pixels 1)",
-        "optimizer": f"SGD(lr={config.lr} cosine-decayed to 0 over {config.steps} steps, "
+        "optimizer": f"SGD(lr={config.lr} cosine-decayed to 0 over {report_.counted(config.steps, 'step')}, "
                      f"momentum={config.momentum}, weight_decay=0)",
     }
     samples = {"images": sample_x, "truth": sample_y}
