@@ -99,9 +99,11 @@ def test_an_unusable_output_folder_is_one_usage_line_before_any_work(command, ki
     (["--framework", "keras", "--backend", "gloo"], "--backend gloo is a torch.distributed backend"),
     (["--framework", "flax", "--backend", "tensorflow"], "--framework flax runs on JAX"),
     (["--image-size", "20"], "--image-size must be a multiple of 8"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--lr", "nan"], "--lr must be positive"),
-    (["--background-weight", "-1"], "--background-weight must be positive"),
+    (["--lr", "0"], "--lr must be a finite positive number, got 0.0"),
+    (["--lr", "nan"], "--lr must be a finite positive number, got nan"),  # said "must be positive"
+    (["--lr", "inf"], "--lr must be a finite positive number, got inf"),
+    (["--background-weight", "-1"], "--background-weight must be a finite positive number, got -1.0"),
+    (["--background-weight", "nan"], "--background-weight must be a finite positive number, got nan"),
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
 ])
 def test_a_bad_demo_setting_is_a_usage_error(argv, named, tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from syncbn.bench import communication, cuda_counts, memory, report, runner
+from syncbn.bench import communication, cuda_counts, keras_multiworker, memory, report, runner
 from syncbn.bench.plan import PEERS, make_plan
 
 QUICK_TIMEOUT = 420  # about 90-110 s on two cores (the multi-worker Keras row adds ~15 s); generous for a loaded machine
@@ -394,3 +394,18 @@ def test_cuda_counts_follow_the_triton_switch(pool):
         ops = [o["op"] for o in row["forward"]["ops"] + row["backward"]["ops"]]
         assert not any(op.startswith("syncbn::triton_") for op in ops), ops
     assert "aten::batch_norm_elemt" in [o["op"] for o in rep["syncbn"][0]["forward"]["ops"]]
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "1e400", "soon"])
+def test_keras_multiworker_timeout_must_be_finite_and_positive(tmp_path, capsys, timeout):
+    """--timeout 0, a negative number or NaN gave each worker the launcher's floor of 1 s and
+    killed it (an error row for a Keras peer that never ran); inf waited forever on a stuck
+    worker. Each is a usage error naming the option (exit 2) before any worker starts."""
+    with pytest.raises(SystemExit) as info:
+        keras_multiworker.main(["--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "out.json"),
+                                "--timeout", timeout])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m syncbn.bench.keras_multiworker: error: argument --timeout: expected a finite positive " \
+           "number, got " in err, err
+    assert not (tmp_path / "out.json").exists()

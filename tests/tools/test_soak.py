@@ -77,7 +77,9 @@ def test_arguments_that_measure_nothing_are_usage_errors(capsys):
     ("--every", "0", "--every must be at least 1, got 0"),
     ("--warmup", "-1", "--warmup must be 0 or more, got -1"),
     ("--max-growth-mb", "nan", "--max-growth-mb must be a finite number >= 0, got nan"),
-    ("--timeout", "0", "--timeout must be a positive number, got 0.0"),
+    ("--timeout", "0", "--timeout must be a finite positive number, got 0.0"),
+    ("--timeout", "inf", "--timeout must be a finite positive number, got inf"),
+    ("--timeout", "nan", "--timeout must be a finite positive number, got nan"),
 ])
 def test_a_bad_option_is_named(option, value, message, capsys):
     """One sentence listed every rule whichever option broke one (and a NaN --max-growth-mb,

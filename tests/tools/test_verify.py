@@ -233,8 +233,8 @@ def test_zero_tolerance_asks_for_an_exact_match():
 
 @pytest.mark.parametrize(
     "option,value",
-    [("--tolerance", "-1"), ("--tolerance", "nan"), ("--timeout", "0"), ("--timeout", "-5"), ("--lr", "nan"),
-     ("--lr", "inf"), ("--lr", "-0.05"), ("--lr", "0"), ("--seed", "-1"), ("--seed", str(2**64 - 1))],
+    [("--tolerance", "-1"), ("--tolerance", "nan"), ("--timeout", "0"), ("--timeout", "-5"), ("--timeout", "inf"),
+     ("--lr", "nan"), ("--lr", "inf"), ("--lr", "-0.05"), ("--lr", "0"), ("--seed", "-1"), ("--seed", str(2**64 - 1))],
 )
 def test_options_that_cannot_be_honoured_exit_2(capsys, option, value):
     """A negative tolerance made every allowance negative, so every difference passed (a BN
@@ -244,7 +244,10 @@ def test_options_that_cannot_be_honoured_exit_2(capsys, option, value):
     0 PASSed (exit 0) with no parameter ever moved;
     a seed of 2**64 - 1 overflowed torch's generator for the data (a ValueError traceback)."""
     assert verify.main(["verify_models:twice", "--input-shape", SHAPE, option, value]) == 2
-    assert f"{option} must be" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{option} must be" in err, err
+    if option in ("--lr", "--timeout"):  # inf too: a finite positive number, as every command says
+        assert f"{option} must be a finite positive number" in err, err
 
 
 def test_a_rank_that_fails_alone_is_reported_long_before_the_timeout():

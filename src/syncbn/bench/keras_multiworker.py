@@ -24,6 +24,8 @@ import sys
 import time
 import traceback
 
+from ..tools.usage import positive_float
+
 WORLD = 2
 LABEL = "2 worker processes, MultiWorkerMirroredStrategy"
 IMPLS = ("keras_sync", "syncbn_keras")
@@ -140,11 +142,14 @@ def worker(index: int, plan: dict, out: str) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m syncbn.bench.keras_multiworker",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--plan", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--worker", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for both workers (launcher)")
+    # 0, a negative number or NaN gave each worker 1 s (the launcher's floor), then killed it
+    parser.add_argument("--timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                        help="seconds for both workers (launcher; a finite positive number, default 600)")
     args = parser.parse_args(argv)
     if args.worker is None:
         return launch(args.plan, args.out, args.timeout)

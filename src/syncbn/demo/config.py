@@ -118,10 +118,10 @@ def check(config: DemoConfig) -> None:
 
     if config.image_size < 16 or config.image_size % 8:
         raise UsageError(f"--image-size must be a multiple of 8, at least 16, got {config.image_size}")
-    if config.lr <= 0 or not math.isfinite(config.lr):
-        raise UsageError(f"--lr must be positive, got {config.lr}")
-    if config.background_weight <= 0 or not math.isfinite(config.background_weight):
-        raise UsageError(f"--background-weight must be positive, got {config.background_weight}")
+    if not 0.0 < config.lr < math.inf:  # false for NaN too
+        raise UsageError(f"--lr must be a finite positive number, got {config.lr}")
+    if not 0.0 < config.background_weight < math.inf:
+        raise UsageError(f"--background-weight must be a finite positive number, got {config.background_weight}")
     if not 0 <= config.seed < 2**64:  # what numpy's and torch's generators take
         raise UsageError(f"--seed must be an integer from 0 to 2**64 - 1, got {config.seed}")
     if config.framework == "torch" and config.backend == "nccl" and config.device != "cuda":

@@ -188,7 +188,7 @@ def run(args) -> int:
         ("--world-size", args.world_size, args.world_size < 2, "at least 2"),
         ("--max-growth-mb", args.max_growth_mb, not (args.max_growth_mb >= 0 and math.isfinite(args.max_growth_mb)),
          "a finite number >= 0"),
-        ("--timeout", args.timeout, not (args.timeout > 0 and math.isfinite(args.timeout)), "a positive number"),
+        ("--timeout", args.timeout, not 0.0 < args.timeout < math.inf, "a finite positive number"),
     ) if bad]
     if wrong:
         print("syncbn soak: " + "; ".join(wrong), file=sys.stderr)

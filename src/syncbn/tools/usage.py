@@ -10,6 +10,8 @@
 - :func:`packages_missing`: the same for the packages a run needs (``syncbn demo``:
   its framework, scikit-learn, matplotlib, tqdm), found without importing them.
 - :func:`positive_int`: the ``argparse`` type of a count option (sizes, steps, repeats).
+- :func:`positive_float`: the ``argparse`` type of an option that must be a finite
+  number above 0 (seconds, learning rates, weights).
 
 Imports no framework (``syncbn demo --framework keras`` and ``flax`` use it without torch).
 """
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 from typing import Sequence
 
-__all__ = ["UsageError", "packages_missing", "positive_int", "torch_missing"]
+__all__ = ["UsageError", "packages_missing", "positive_float", "positive_int", "torch_missing"]
 
 # the import name -> the name pip installs it by, where they differ
 _PIP_NAMES = {"sklearn": "scikit-learn"}
@@ -39,6 +42,18 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a finite number above 0; 0, negative numbers, NaN and
+    infinity are refused (argparse names the option and exits 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}") from None
+    if not 0.0 < value < math.inf:  # false for NaN too
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text}")
     return value
 
 

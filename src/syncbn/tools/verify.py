@@ -119,9 +119,9 @@ def _check_spec(spec: VerifySpec) -> None:
     if spec.tolerance is not None and not 0.0 <= spec.tolerance < float("inf"):
         raise UsageError(f"--tolerance must be a finite number >= 0, got {spec.tolerance}")
     if not 0.0 < spec.timeout < float("inf"):
-        raise UsageError(f"--timeout must be a positive number of seconds, got {spec.timeout}")
+        raise UsageError(f"--timeout must be a finite positive number of seconds, got {spec.timeout}")
     if not 0.0 < spec.lr < float("inf"):
-        raise UsageError(f"--lr must be a positive finite number, got {spec.lr}")
+        raise UsageError(f"--lr must be a finite positive number, got {spec.lr}")
     if not 0 <= spec.seed < 2**32:  # the data's and loss weights' seeds derive from it
         raise UsageError(f"--seed must be an integer from 0 to 2**32 - 1, got {spec.seed}")
 
