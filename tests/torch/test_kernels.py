@@ -83,12 +83,17 @@ def kernel_case_job(case, path="triton"):
 
 
 def _ran_kernels(results, case):
-    """Every rank with rows ran every kernel (an empty rank of SyncBatchNormAct takes the
-    general path, of SyncBatchNorm the kernels' merge)."""
+    """Every rank with rows ran every kernel. An empty rank, of SyncBatchNorm or of
+    SyncBatchNormAct, stays on the kernels' path too (batchnorm_act._triton_forward and
+    _triton_backward, as functional's): it launches the merge kernel alone, on the group's
+    summed moments, and sends its empty payload (the fingerprint's values, then zeros:
+    functional._empty_payload) in both all-reduces."""
     for size, r in zip(case.sizes, results[: case.world]):
         calls = r["launches"]
         if size:
             assert all(calls[name] > 0 for name in _Launches.NAMES), calls
+        else:
+            assert calls["merge"] > 0 and all(calls[name] == 0 for name in _Launches.NAMES if name != "merge"), calls
 
 
 def _name(case):
@@ -184,7 +189,8 @@ ACT_CASES = [
     ActCase(Case(world=2, sizes=(4, 3), tail=(), channels=5, dtype="float16", param_dtype="float32", steps=2,
                  momentum=None), "leaky_relu", 1.5),
     ActCase(Case(world=1, sizes=(4,), tail=(3, 3), channels=3, dtype="float32", steps=2), "leaky_relu", 0.01),
-    # an empty rank takes the general path beside the kernels' ranks: the same payloads
+    # an empty rank on the kernels' path beside ranks with rows: the merge kernel alone, and
+    # zero sums in both all-reduces
     ActCase(Case(world=3, sizes=(2, 0, 3), tail=(4, 3), channels=3, dtype="float32", steps=2), "leaky_relu", 0.1),
 ]
 
