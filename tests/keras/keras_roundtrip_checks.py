@@ -2153,5 +2153,188 @@ def convert_keeps_weights_of_layers_built_by_hand():
     info["marked built by hand"] = message.split(": ")[1].split(", and")[0]
     return info
 
+
+def train_only_classes():
+    """Custom layers that a subclassed model calls only in training (or always, ``always``),
+    each making or holding a Conv2D and a BatchNormalization, named where ``named`` (else
+    Keras numbers them), for :func:`convert_keeps_weight_paths_of_blocks_built_in_training`."""
+    import keras
+
+    register = keras.saving.register_keras_serializable(package="syncbn_train_only")
+
+    def name(named, text):
+        return text if named else None
+
+    @register
+    class MadeInBuild(keras.layers.Layer):  # makes its layers in build(), builds them there or not
+        def __init__(self, built_there=False, named=True, **kwargs):
+            super().__init__(**kwargs)
+            self.built_there, self.named = built_there, named
+
+        def build(self, input_shape):
+            self.conv = keras.layers.Conv2D(4, 3, padding="same", name=name(self.named, "conv"))
+            self.bn = keras.layers.BatchNormalization(name=name(self.named, "bn"))
+            if self.built_there:
+                self.conv.build(input_shape)
+                self.bn.build((*input_shape[:-1], 4))
+
+        def call(self, x, training=None):
+            return self.bn(self.conv(x), training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "built_there": self.built_there, "named": self.named}
+
+    @register
+    class Container(keras.layers.Layer):  # holds sub-layers only, no weight of its own
+        def __init__(self, named=True, **kwargs):
+            super().__init__(**kwargs)
+            self.named = named
+            self.conv = keras.layers.Conv2D(4, 3, padding="same", name=name(named, "conv"))
+            self.bn = keras.layers.BatchNormalization(name=name(named, "bn"))
+
+        def call(self, x, training=None):
+            return self.bn(self.conv(x), training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "named": self.named}
+
+    @register
+    class SequentialHolder(keras.layers.Layer):  # a Sequential (no Input) held by a custom layer
+        def __init__(self, named=True, **kwargs):
+            super().__init__(**kwargs)
+            self.named = named
+            self.seq = keras.Sequential([keras.layers.Conv2D(4, 3, padding="same", name=name(named, "conv")),
+                                         keras.layers.BatchNormalization(name=name(named, "bn"))],
+                                        name=name(named, "seq"))
+
+        def call(self, x, training=None):
+            return self.seq(x, training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "named": self.named}
+
+    @register
+    class TwoDeep(keras.layers.Layer):  # a block holding a block that makes its layers in build()
+        def __init__(self, named=True, **kwargs):
+            super().__init__(**kwargs)
+            self.named = named
+            self.inner = MadeInBuild(named=named, name=name(named, "inner"))
+
+        def call(self, x, training=None):
+            return self.inner(x, training=training)
+
+        def get_config(self):
+            return {**super().get_config(), "named": self.named}
+
+    blocks = {"made in build": MadeInBuild,
+              "built in build": lambda **kwargs: MadeInBuild(built_there=True, **kwargs),
+              "container": Container, "sequential": SequentialHolder, "two deep": TwoDeep}
+
+    @register
+    class TrainOnlyNet(keras.Model):
+        def __init__(self, block="made in build", named=True, always=False, **kwargs):
+            super().__init__(**kwargs)
+            self.block_kind, self.named, self.always = block, named, always
+            self.stem = keras.layers.Conv2D(4, 1, name=name(named, "stem"))
+            self.block = blocks[block](named=named, name=name(named, "block"))
+
+        def call(self, x, training=None):
+            h = self.stem(x)
+            return self.block(h, training=training) if training or self.always else h
+
+        def get_config(self):
+            return {**super().get_config(), "block": self.block_kind, "named": self.named, "always": self.always}
+
+    return TrainOnlyNet, list(blocks)
+
+
+@check
+def convert_keeps_weight_paths_of_blocks_built_in_training():
+    """A block that a subclassed model builds only in a training call (its Conv2D and
+    BatchNormalization made in its ``build()`` and built there or by its call, held from its
+    constructor, in a Sequential it holds, or a block deeper), a Sequential that a custom
+    layer or a Sequential built from an ``Input`` holds, and a block of a built model
+    converted alone: ``convert`` and ``revert(convert)`` keep every weight path and value.
+    Where every layer is named, the paths are the
+    original's; where Keras numbers the layers that a constructor or ``build()`` does not
+    name (afresh in the copy, as loading a ``.keras`` file does), each path is the
+    original's with each layer's name replaced by its copy's, the base names alike, as a
+    call of the copy would make them. The copy's later training call makes no new weight.
+
+    Before, a block holding no weight of its own was built in no outer name scope
+    (``lazy_block_1/conv2d_3/kernel`` for ``net/lazy_block/conv2d_1/kernel``); a layer built
+    later in it took the original's names (``net/lazy_block/conv2d_3`` under ``lazy_block_1``);
+    a Sequential held by a custom layer, or by a Sequential built from an ``Input``, was
+    copied outside the scopes it was built in, its batch norm inside them
+    (``sequential_1/conv2d`` beside ``net/block/sequential_1/bn``); and a block converted alone
+    lost the scopes of the model it was built in (``block/seq/conv`` for ``net/block/seq/conv``)."""
+    import re
+
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    rng = np.random.default_rng(44)
+    TrainOnlyNet, blocks = train_only_classes()
+
+    def plain(layer):  # its class without convert's: Synchronized<class>, SyncBatchNormalization
+        return re.sub(r"^Synchronized|^Sync", "", type(layer).__name__)
+
+    x = rng.standard_normal((2, 5, 5, 3)).astype(np.float32)
+
+    def trained(model):  # called once, in training
+        model(x, training=True)
+        return model
+
+    def nested_sequential():
+        inner = keras.Sequential([keras.layers.Conv2D(4, 3, padding="same", name="conv"),
+                                  keras.layers.BatchNormalization(name="bn")], name="inner")
+        return trained(keras.Sequential([keras.Input((5, 5, 3)), inner], name="outer"))
+
+    # each case: the model, whether it names every layer, its weights (the stem's 2, the block's
+    # 6), an input (the stem's output for the block alone)
+    cases = {f"{block}, named": (lambda block=block: trained(TrainOnlyNet(block, name="net")), True, 8, x)
+             for block in blocks}
+    cases.update({f"{block}, numbered by Keras": (lambda block=block: trained(TrainOnlyNet(block, named=False)),
+                                                  False, 8, x) for block in blocks})
+    cases["sequential, named, called in inference too"] = (
+        lambda: trained(TrainOnlyNet("sequential", always=True, name="net")), True, 8, x)
+    cases["the block holding a Sequential, converted alone"] = (
+        lambda: trained(TrainOnlyNet("sequential", name="net")).block, True, 6, x[..., [0, 1, 2, 0]])
+    cases["Sequential in a Sequential built from an Input"] = (nested_sequential, True, 6, x)
+    info = {}
+    for where, (make, named, count, inputs) in cases.items():
+        model = make()
+        for layer in every_layer(model):
+            if layer.built and layer.weights:
+                randomize(layer, rng)
+        want = [(w.path, np.array(keras.ops.convert_to_numpy(w))) for w in model.weights]
+        assert len(want) == count, (where, [p for p, _ in want])  # vacuous without the block's
+        synced = convert(model)
+        assert kinds(synced) == (0, 1), (where, kinds(synced))
+        back = revert(synced)
+        for label, copy in (("convert", synced), ("revert(convert)", back)):
+            olds, news = every_layer(model), every_layer(copy)
+            assert [plain(a) for a in olds] == [plain(b) for b in news], (where, label)
+            # each layer's name in the copy (an InputLayer, no weights, Keras names afresh)
+            renamed = {a.name: b.name for a, b in zip(olds, news) if not isinstance(a, keras.layers.InputLayer)}
+            if named:
+                assert all(a == b for a, b in renamed.items()), (where, label, renamed)
+            else:  # Keras's numbering only: conv2d_3 for conv2d_1, the base names alike
+                assert all(re.sub(r"_\d+$", "", a) == re.sub(r"_\d+$", "", b) for a, b in renamed.items()), (
+                    where, label, renamed)
+            expected = ["/".join([renamed.get(part, part) for part in path.split("/")[:-1]] + [path.split("/")[-1]])
+                        for path, _ in want]
+            got = [(w.path, np.array(keras.ops.convert_to_numpy(w))) for w in copy.weights]
+            assert [p for p, _ in got] == expected, (where, label, [p for p, _ in got], expected)
+            for (path, a), (_, b) in zip(got, want):
+                assert np.all(np.isfinite(a)), f"{where}, {label}: {path} is not finite"
+                np.testing.assert_array_equal(a, b, err_msg=f"{where}, {label}: {path}")
+            copy(inputs, training=True)  # built already: makes nothing, anywhere
+            assert [w.path for w in copy.weights] == expected, (where, label, [w.path for w in copy.weights])
+        info[where] = f"{want[-1][0]} -> {synced.weights[-1].path}"
+    return info
+
+
 if __name__ == "__main__":
     worker_main(CHECKS)

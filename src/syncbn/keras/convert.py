@@ -41,7 +41,9 @@ def convert(model):
     model is left untouched and shares nothing with the copy, whose outputs in
     inference equal the original's. Layer names and weight paths are kept (except in
     a subclass rebuilt through its constructor, which names the layers it does not
-    name itself afresh, as loading it from a file does).
+    name itself afresh, as loading it from a file does; the weight paths then follow
+    the copy's names, ``net/block_1/conv2d_3/kernel`` for ``net/block/conv2d_1/kernel``,
+    as a call of the copy would make them).
 
     A layer or model that makes its BatchNormalization layers in its own constructor
     (a custom layer, a subclassed model, a keras_hub ``Backbone`` or ``Task``) saves
@@ -339,7 +341,8 @@ class _Swap:
             new = _copy_layer(model, self.verb)
             if model.built:
                 if not new.built:
-                    _build_like(new, model, self.verb)
+                    with _outer_scopes(model):  # built where ``model`` was: its weight paths
+                        _build_like(new, model, self.verb)
             self._copied(model, new)
             if _is_graph_model(new):
                 self.retype_within(new, set())
@@ -378,7 +381,9 @@ class _Swap:
             return new
 
         inputs = None if isinstance(model, keras.Sequential) else _inputs_like(model)
-        with _not_compiled(model):  # clone_model would compile the copy from model's compile config
+        # not compiled: clone_model would compile the copy from model's compile config; in the
+        # name scopes that ``model`` was built in, where a Sequential's copy is built at once
+        with _not_compiled(model), _outer_scopes(model):
             new_model = keras.models.clone_model(model, input_tensors=inputs, clone_function=clone)
         # its input layers, made afresh by clone_model, in their order (for _keep_torch_modes)
         ins = [[layer for layer in m._flatten_layers(include_self=False, recursive=False)
@@ -1445,32 +1450,83 @@ def _inputs_like(model):
     return keras.tree.map_structure(like, model.input)
 
 
-def _outer_scopes(layer):
-    """The name scopes around ``layer``'s own in which its weights were made (``block``
-    for ``block/bn/gamma``, a layer built inside a custom layer ``block``), entered, so
-    that a copy built in them gets the same weight paths."""
+def _outer_scopes(layer, pairs=()):
+    """The name scopes around ``layer``'s own in which it was built (``net/block`` for a
+    layer whose path is ``net/block/conv``: built in the call of the custom layer ``block``
+    in the model ``net``), entered in place of those open (:func:`_in_scopes`), so that a
+    copy built in them gets the weight paths that ``layer``'s weights have in its tree.
+
+    Where those scopes are, or lie inside, the scope of a layer of ``pairs`` (``(path,
+    layer of the original's tree, its copy)``, as :func:`_pair_trees` gives them; the
+    innermost such layer), that part is its copy's scope instead, once the copy is built (a
+    copy not built yet leaves the original's): a layer that its owner's constructor names
+    afresh in the copy (``block_1``) holds the weights of the layers built in it under its
+    own name, as a call of the copy would, and never under the original's. The scopes come
+    from ``layer.path`` (where its ``build()`` ran), else from its own first weight's path;
+    a layer with neither (marked built by hand) gets none entered."""
+    parent = _scope_around(layer)
+    if parent is None:
+        return contextlib.ExitStack()
+    enclosing, copy_path = None, None  # the innermost layer's scope around, its copy's
+    for _, a, b in pairs:
+        path = getattr(a, "path", None)
+        if (a is not layer and isinstance(path, str) and path
+                and (parent == path or parent.startswith(path + "/"))
+                and (enclosing is None or len(path) > len(enclosing))):
+            enclosing, copy_path = path, getattr(b, "path", None)
+    if enclosing is not None and isinstance(copy_path, str):
+        parent = copy_path + parent[len(enclosing):]
+    return _in_scopes(parent)
+
+
+def _in_scopes(path):
+    """Keras's name scopes ``path`` (``net/block``; ``""`` for none) entered, in place of
+    those open around (the copy of a Sequential, which is built where the original was):
+    the weights made within have the paths that scopes give, whatever is open outside."""
     stack = contextlib.ExitStack()
-    parts = layer.weights[0].path.split("/") if layer.weights else []
-    if len(parts) > 2 and parts[-2] == layer.name:
-        for part in parts[:-2]:
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:  # pragma: no cover - another Keras: entered within those open
+        global_state = None
+    if global_state is not None:
+        key = "name_scope_stack"  # what Keras's current path is made of
+        stack.callback(global_state.set_global_attribute, key, global_state.get_global_attribute(key))
+        global_state.set_global_attribute(key, [])
+    for part in path.split("/"):
+        if part:
             stack.enter_context(keras.name_scope(part))
     return stack
 
 
+def _scope_around(layer):
+    """The path of the name scopes around ``layer``'s own in which it was built (``""``
+    for none), or None where that is unknown."""
+    path = getattr(layer, "path", None)  # Keras's name scopes when build() ran, then its name
+    if isinstance(path, str):
+        head, _, own = path.rpartition("/")
+        if own == layer.name:
+            return head
+    own = _own_variables(layer)  # made outside build() (in __init__): the first one's path
+    parts = own[0].path.split("/") if own else []
+    if len(parts) >= 2 and parts[-2] == layer.name:
+        return "/".join(parts[:-2])
+    return None
+
+
 def _build_as_built(old, new, verb):
     """Build each layer of ``new``'s tree (a fresh copy of ``old`` from its config) whose
-    counterpart in ``old``'s tree (paired as :func:`_pair_trees` pairs them) is built and
-    it is not, owners before the layers they hold, as a ``.keras`` file rebuilds a layer:
+    counterpart in ``old``'s tree (paired as :func:`_pair_trees` pairs them) is built and it
+    is not, owners before the layers they hold, as a ``.keras`` file rebuilds a layer:
     ``build_from_config`` of the original's ``get_build_config()`` (the input shape it was
-    built for), in the name scopes its weights were made in. A layer built by hand
-    (``layer.build(shape)``) or by a call, held by a model not built (a Sequential without
-    an ``Input``, a subclassed model not yet called), is copied from its config unbuilt, and
-    would otherwise make fresh weights when the copy is first called. Each layer is built
-    as the original's is, and no other: called later, the copy builds what the original
-    would (a layer marked built by hand, whose ``build()`` never ran, holding no state
-    itself, is marked so in the copy). Where such a layer holds state (weights that no
-    ``build()`` makes), or building a copy fails or leaves it unbuilt, raises ``ValueError``
-    naming it."""
+    built for), in the name scopes it was built in, its owners' copies'
+    (:func:`_outer_scopes`). A layer built by hand (``layer.build(shape)``) or by a call,
+    held by a model not built (a Sequential without an ``Input``, a subclassed model not yet
+    called), is copied from its config unbuilt, and would otherwise make fresh weights when
+    the copy is first called. Each layer is built as the original's is, and no other: called
+    later, the copy builds what the original would (a layer marked built by hand, whose
+    ``build()`` never ran, holding no state itself, is marked so in the copy). Where such a
+    layer holds state (weights that no ``build()`` makes), or building a copy fails or
+    leaves it unbuilt, raises ``ValueError`` naming it."""
     done = set()
     while True:
         pairs, _, _ = _pair_trees(old, new)
@@ -1497,7 +1553,7 @@ def _build_as_built(old, new, verb):
                 "built by hand), so the copy would start from fresh weights, as a .keras file would. "
                 "Make its weights in its build(), from the input shape (or in its __init__())")
         try:
-            with _outer_scopes(a), warnings.catch_warnings():
+            with _outer_scopes(a, pairs), warnings.catch_warnings():
                 # Keras's default build() (a layer without its own) warns that it leaves the
                 # sub-layers unbuilt: those built in the original are built next, one by one
                 warnings.filterwarnings("ignore", message=r"`build\(\)` was called on layer")
