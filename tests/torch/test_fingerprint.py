@@ -64,6 +64,50 @@ def test_float32_sums_stay_exact_up_to_the_largest_world():
     assert not bool(fingerprint._agree(same - full + off, small, world))
 
 
+@pytest.mark.parametrize("kernel_fit", [True, False])
+def test_overflow_checks_of_a_backward_pass_are_read_once_when_it_ends(monkeypatch, kernel_fit):
+    """Every synchronized backward call queues its kept-channel check (defer_overflow):
+    on the device they wait, like the backward verdicts, for the one read at the end of
+    the pass, however many layer calls it has (a model of 342 or more layers went past
+    the forward bound of 1024 waiting checks: a second host read mid-backward each step).
+    ``kernel_fit``: the verdict from the input-gradient kernel; else one comparison on the
+    (forced) CUDA path. An overflow among them still raises when the pass ends."""
+    from syncbn.torch import stats
+
+    reads = []
+    check = fingerprint.check_agreement
+
+    def counted():
+        reads.append(len(fingerprint._pending))
+        check()
+
+    monkeypatch.setattr(fingerprint, "check_agreement", counted)
+    calls, last = 1100, RuntimeError("the last call overflowed")
+
+    class ManyLayers(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            for i in range(calls):
+                overflow = torch.tensor(1.0 if i == calls - 1 else 0.0)
+                fit = torch.eq(overflow, 0) if kernel_fit else None
+                fingerprint.defer_overflow(overflow, last if i == calls - 1 else RuntimeError("not this one"), fit)
+            return dy
+
+    fingerprint.reset()
+    try:
+        x = torch.ones(3, requires_grad=True)
+        with stats._forced_cuda_path():  # no read at once: the device's way
+            with pytest.raises(RuntimeError, match="the last call overflowed"):
+                ManyLayers.apply(x).sum().backward()
+        assert reads == [calls]  # one read, when the pass ended, of every check
+    finally:
+        fingerprint.reset()
+
+
 # ---- on the worker pool ---------------------------------------------------------------
 
 

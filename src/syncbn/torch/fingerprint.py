@@ -309,14 +309,19 @@ def agreeing_values(tag: Tag, world: int, dtype, device) -> Tensor:
     return stats.constant(_agreeing_sums, (tag, world), dtype, device)
 
 
-def defer(ok: Tensor, error) -> None:
+def defer(ok: Tensor, error, backward: bool = False) -> None:
     """Raise ``error`` (an exception, or a callable that makes it, called only to raise) at
     the next :func:`check_agreement` unless ``ok`` (a 0-d bool tensor
     on the device) holds: a device-side check of a layer call that costs no host read of
     its own (read with the step's verdicts; call :func:`check_after_backward` from the
-    layer's backward so that it is read when that backward pass ends)."""
+    layer's backward so that it is read when that backward pass ends). ``backward``: made
+    in a backward pass, read when it ends, as :func:`pending_verdict`'s backward verdicts
+    (no bound on what waits there: a host read in the middle of the pass, at the 1025th
+    waiting check, would be a second per step)."""
     _pending.append((ok, None, error, None, None, None))
-    if len(_pending) > 1024:
+    if backward:
+        _check_after_backward()
+    elif len(_pending) > 1024:  # forward-only loops: bound what waits
         check_agreement()
 
 
@@ -342,8 +347,7 @@ def defer_overflow(overflow: Tensor, error, fit: Optional[Tensor] = None) -> Non
         if not overflow.item():  # a host read that costs nothing on the CPU
             return
         fit = torch.zeros((), dtype=torch.bool)
-    defer(torch.eq(overflow, 0) if fit is None else fit, error)
-    check_after_backward()
+    defer(torch.eq(overflow, 0) if fit is None else fit, error, backward=True)
 
 
 def check_after_backward() -> None:
