@@ -678,3 +678,34 @@ def test_no_rank_raises_beside_a_fused_rank_that_keeps_its_channels(triton_pool,
     """The same with 2 zero weights, as many as the kernels keep: no rank raises."""
     results = triton_pool.run(overflow_beside_job, (0,), paths, True, 2, timeout=120)[:2]
     assert [r[:2] for r in results] == [("ok", "")] * 2, results
+
+
+@pytest.mark.parametrize("shape, strides, fits", [
+    # contiguous: one channel a tile where planes are large, so 65,535 channels is the most
+    ((1, 65535, 32, 32), None, True),
+    ((1, 65536, 32, 32), None, False),
+    ((1, 70000, 2048), None, False),
+    # small planes: several channels a tile (16 at 4 positions), as the launchers tile them
+    ((2, 70000, 4), None, True),
+    ((2, 16 * 65535 + 1, 4), None, False),
+    # channels the contiguous dim: 64 a tile whatever the plane
+    ((1, 70000, 32, 32), "channels_last", True),
+    ((3, 70000), None, True),
+    ((3, 64 * 65535), None, True),
+    ((3, 64 * 65535 + 1), None, False),
+])
+def test_kernels_refuse_more_channel_blocks_than_a_launch_grid_holds(monkeypatch, shape, strides, fits):
+    # meta tensors: the decision reads shapes and strides only; on CUDA a launch with more
+    # than 65,535 programs along its grid's second axis (the channel blocks) fails
+    x = torch.empty(shape, device="meta")
+    if strides == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    assert kernels.channel_blocks_fit(x) is fits
+    # the worst case of every launch over x, as the launchers tile it
+    spatial = x.numel() // (x.shape[0] * x.shape[1])
+    s_c = x.stride(1)
+    worst = max(-(-x.shape[1] // kernels._tiles(x.shape[1], n_s, (0, s_c, 1), size)[1])
+                for size in (1024, 2048) for n_s in (spatial, x.shape[0] * spatial))
+    assert (worst <= kernels.MAX_CHANNEL_BLOCKS) is fits
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    assert kernels.supports(x) is fits

@@ -91,6 +91,8 @@ __all__ = [
     "enable_interpreter",
     "supports",
     "SIZE_LIMIT",
+    "MAX_CHANNEL_BLOCKS",
+    "channel_blocks_fit",
     "moment_partials",
     "moment_payload",
     "merge",
@@ -107,6 +109,9 @@ ACTIVATION_CODES = {"none": 0, "identity": 0, "leaky_relu": 1, "elu": 2}
 _FIXED_LANES = 32
 # the kernels index with 64-bit offsets, but keep the row count in 32-bit program ids
 SIZE_LIMIT = 2**31 - 1
+# the channel blocks of a launch lie along its grid's second axis, at most 65535 on CUDA; an
+# input with more (see channel_blocks_fit) keeps the torch-op path
+MAX_CHANNEL_BLOCKS = 65535
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Triton is imported on first use (:func:`_triton`), not here: its first import fixes
@@ -208,9 +213,27 @@ def available(device) -> bool:
 
 def supports(x: torch.Tensor) -> bool:
     """Whether the kernels take ``x``: 2-D to 5-D, a float32/float16/bfloat16/float64
-    input of at most ``SIZE_LIMIT`` elements on a device :func:`available` admits."""
+    input of at most ``SIZE_LIMIT`` elements, whose channel blocks fit a launch grid
+    (:func:`channel_blocks_fit`), on a device :func:`available` admits."""
     return (x.dtype in _DTYPES and 2 <= x.dim() <= 5 and x.numel() <= SIZE_LIMIT
-            and available(x.device))
+            and channel_blocks_fit(x) and available(x.device))
+
+
+def channel_blocks_fit(x: torch.Tensor) -> bool:
+    """Whether every launch over ``x`` has at most ``MAX_CHANNEL_BLOCKS`` channel blocks,
+    its grid's second axis (CUDA's limit there; the interpreter has none, and applies it
+    alike so that CPU runs take the path a GPU would). The channels a tile holds are
+    :func:`_tiles`'s for every kernel's tile size and for the plane as it is and as
+    :func:`_rows` may fold the samples into it (the fewest of those): 64 where the channels
+    are the contiguous dim (channels-last, 2-D), else fewer the larger the plane (one for
+    planes of 1024 positions and more)."""
+    channels = x.shape[1] if x.dim() >= 2 else 0
+    if channels <= MAX_CHANNEL_BLOCKS:
+        return True
+    spatial = x.numel() // max(x.shape[0] * channels, 1)
+    block_c = min(_tiles(channels, plane, (0, x.stride(1), 1), size)[1]
+                  for size in (1024, 2048) for plane in (spatial, x.shape[0] * spatial))
+    return -(-channels // block_c) <= MAX_CHANNEL_BLOCKS
 
 
 # ---- layout -------------------------------------------------------------------------
