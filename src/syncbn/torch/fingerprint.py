@@ -295,11 +295,7 @@ def pending_verdict(sums: Tensor, group, tag: Tag, world: int, backward: bool = 
     computed already, by a kernel that compared the sums with :func:`agreeing_values`."""
     if ok is None:
         ok = _agree(sums, tag, world)
-    _pending.append((ok, sums, tag, world, (distributed.group_rank(group), group), backward))
-    if backward:
-        _check_after_backward()
-    elif len(_pending) > 1024:  # forward-only loops: bound what waits
-        check_agreement()
+    _queue((ok, sums, tag, world, (distributed.group_rank(group), group), backward), backward)
     return ok
 
 
@@ -318,10 +314,17 @@ def defer(ok: Tensor, error, backward: bool = False) -> None:
     in a backward pass, read when it ends, as :func:`pending_verdict`'s backward verdicts
     (no bound on what waits there: a host read in the middle of the pass, at the 1025th
     waiting check, would be a second per step)."""
-    _pending.append((ok, None, error, None, None, None))
+    _queue((ok, None, error, None, None, None), backward)
+
+
+def _queue(entry: tuple, backward: bool) -> None:
+    """Add ``entry`` to what :func:`check_agreement` reads next: made in a backward pass,
+    it is read when that pass ends (whatever waits, one read per pass); in forward, what
+    waits is bounded (forward-only loops), read at the 1025th entry."""
+    _pending.append(entry)
     if backward:
         _check_after_backward()
-    elif len(_pending) > 1024:  # forward-only loops: bound what waits
+    elif len(_pending) > 1024:
         check_agreement()
 
 
