@@ -6,6 +6,7 @@ with and without affine parameters, running buffers, activation and kept channel
 
 import inspect
 import itertools
+import re
 
 import pytest
 
@@ -37,6 +38,7 @@ def _compile(name, signature, constexprs):
                            constants={where(k): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=TARGET)
     assert compiled.asm.get("cubin"), name
+    return compiled.asm["ptx"]
 
 
 def _ints(*names):
@@ -101,7 +103,11 @@ VARIANTS = list(_variants())
 @pytest.mark.parametrize("name,signature,constexprs", VARIANTS,
                          ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(VARIANTS)])
 def test_kernel_compiles_for_sm90(name, signature, constexprs):
-    _compile(name, dict(signature), dict(constexprs))
+    """It compiles, and every floating-point division in it rounds once, to nearest, as
+    the interpreter's (numpy's) do: Triton's float32 ``/`` becomes PTX's approximate
+    ``div.full.f32`` (up to 2 ulp), which only a compiled kernel would show."""
+    ptx = _compile(name, dict(signature), dict(constexprs))
+    assert re.findall(r"\bdiv\.(?:approx|full)\.[\w.]+", ptx) == [], name
 
 
 def test_launchers_have_shapes_for_torch_compile():

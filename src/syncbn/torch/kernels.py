@@ -164,7 +164,7 @@ def _installed() -> bool:
 
 def _triton():
     """Import Triton (once) and bind ``tl`` and the kernels' helper functions."""
-    global triton, tl, _elu_inverse, _affine
+    global triton, tl, _elu_inverse, _affine, _div
     if triton is None:
         import triton as _t
         import triton.language as _tl
@@ -172,6 +172,7 @@ def _triton():
         triton, tl = _t, _tl
         _elu_inverse = _t.jit(_elu_inverse_source)
         _affine = _t.jit(_affine_source)
+        _div = _t.jit(_div_source)
     return triton
 
 
@@ -310,6 +311,7 @@ def _programs(device, channel_blocks: int, tiles: int) -> int:
 
 _elu_inverse = None  # bound by _triton(): _elu_inverse_source, compiled
 _affine = None  # bound by _triton(): _affine_source, compiled
+_div = None  # bound by _triton(): _div_source, compiled
 
 
 def _affine_source(w_ptr, b_ptr, cols, cmask, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
@@ -324,6 +326,18 @@ def _affine_source(w_ptr, b_ptr, cols, cmask, BLOCK: tl.constexpr, HAS_W: tl.con
     else:
         b = tl.zeros([BLOCK], dtype=tl.float64)
     return w, b
+
+
+def _div_source(a, b):
+    # a / b rounded once, to nearest, as every other path divides: Triton compiles a float32
+    # ``/`` to an approximate division on NVIDIA GPUs (PTX ``div.full.f32``, up to 2 ulp; the
+    # interpreter divides exactly), so float32 goes through ``div_rn`` (``div.rn.f32``), which
+    # takes operands of one shape (a scalar ``b`` is broadcast, exactly); float64 ``/`` is
+    # already ``div.rn.f64``
+    if a.dtype == tl.float32:
+        return tl.math.div_rn(a, tl.broadcast_to(b.to(tl.float32), a.shape))
+    else:
+        return a / b
 
 
 def _elu_inverse_source(y, alpha):
@@ -668,8 +682,8 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ct)
     else:
         w = tl.full([BLOCK_C], 1.0, ct)
-    g1 = tl.load(sum_ptr + SIZE + cols, mask=cmask, other=0.0).to(ct) / count
-    g2 = tl.load(sum_ptr + SIZE + C + cols, mask=cmask, other=0.0).to(ct) / count
+    g1 = _div(tl.load(sum_ptr + SIZE + cols, mask=cmask, other=0.0).to(ct), count)
+    g2 = _div(tl.load(sum_ptr + SIZE + C + cols, mask=cmask, other=0.0).to(ct), count)
     a = w * invstd
     c64 = cols.to(tl.int64)
     dy = tl.load(dy_ptr + (n * d_n + s * d_s)[:, None] + (c64 * d_c)[None, :], mask=mask, other=0.0).to(ct)
@@ -694,7 +708,7 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
             z = tl.where(y >= 0, y, _elu_inverse(y.to(tl.float64), tl.load(scalar_ptr + 1)).to(ct))
             dz = tl.where(y <= 0, dy * (y + slope), dy)
         else:
-            z = tl.where(y >= 0, y, y / slope)
+            z = tl.where(y >= 0, y, _div(y, slope))
         zb = z - b[None, :]
         if KEEP:
             koff = (n * k_n + s * k_s)[:, None] + (tl.maximum(slot, 0).to(tl.int64) * k_c)[None, :]
