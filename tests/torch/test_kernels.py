@@ -388,6 +388,44 @@ def test_act_kernels_save_at_most_055_of_batchnorm_plus_activation(triton_pool):
         assert fused / plain <= 0.55, (fused, plain)
 
 
+def launch_options_job():
+    """The Triton options of every kernel launch of both layers (forward and backward,
+    LeakyReLU and ELU), as the launchers hand them to Triton, and the kernels launched."""
+    import syncbn
+    import triton.runtime.interpreter as interpreter
+    from syncbn.torch import stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    seen = []
+    run = interpreter.InterpretedFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        seen.append((self.fn.__name__, {k: kwargs.get(k) for k in ("enable_fp_fusion",)}))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = spy
+    try:
+        with stats._forced_triton_path():
+            for layer in (syncbn.SyncBatchNorm(3, process_group=group),
+                          syncbn.SyncBatchNormAct(3, activation="leaky_relu", process_group=group),
+                          syncbn.SyncBatchNormAct(3, activation="elu", process_group=group)):
+                x = torch.randn(2, 3, 4, 4, requires_grad=True)
+                layer(x).sum().backward()
+    finally:
+        interpreter.InterpretedFunction.run = run
+    return seen
+
+
+def test_every_kernel_launch_turns_floating_point_contraction_off(triton_pool):
+    """A compiled kernel rounds each operation as the interpreter does (no fused
+    multiply-add), whatever Triton's default: every launch says so."""
+    for seen in triton_pool.run(launch_options_job)[:2]:
+        assert {name for name, _ in seen} >= {f"_{n}_kernel" for n in _Launches.NAMES}, seen
+        assert all(options == {"enable_fp_fusion": False} for _, options in seen), seen
+
+
 @pytest.mark.parametrize("case", [
     Case(world=3, sizes=(3, 0, 2), tail=(4, 3), channels=4, dtype="float64", channels_last=True, steps=2),
     Case(world=2, sizes=(2, 3), tail=(2, 2, 3), channels=3, dtype="float64", steps=2, momentum=None),
