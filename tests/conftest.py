@@ -17,10 +17,19 @@ torchvision_shim.install()
 POOL_SIZE = 4
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The test modules that use worker suites run last, their suites beside the others."""
+    items[:] = keras_harness.suites_last(items)
+
+
 def pytest_collection_finish(session):
-    """Plan the worker suites (``keras_harness.Suite``) the selected tests use: while one
-    runs, the next may run beside it (``keras_harness.JOBS``)."""
+    """Plan the worker suites (``keras_harness.Suite``) the selected tests use: they start
+    in the background, beside the tests (``keras_harness.JOBS``)."""
     keras_harness.plan(session.items)
+
+
+def pytest_runtest_setup(item):
+    keras_harness.keep_busy()  # a background suite that finished: the next planned one starts
 
 
 def pytest_sessionfinish(session):

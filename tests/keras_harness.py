@@ -171,28 +171,32 @@ def finish(procs, timeout):
 
 # A worker suite's process reads nothing from us and writes its output to a file (not a
 # pipe: a suite started ahead runs while nobody reads, and a full pipe would stop it).
-# At most JOBS suites run at once; suites are started only while the pytest process waits
-# for one (so while it runs its own tests at most one started ahead runs beside it).
+# At most JOBS suites run at once: JOBS - 1 in the background while the pytest process runs
+# its own tests (:func:`keep_busy`, before each test), one more while it waits for one. The
+# tests that use suites run last (:func:`suites_last`), so the suites run beside the others.
 JOBS = max(1, int(os.environ.get("SYNCBN_TEST_SUITE_JOBS", "2")))
 _PLANNED: list = []  # suites the selected tests need, in the order they first need them
 
 
 class Suite:
     """One worker process running a list of checks: ``python tests/<script> --out R.json
-    <extra_args> --checks NAME...`` with ``env``, killed ``timeout`` seconds after it
-    started.
+    <extra_args> --checks NAME...`` with ``env``, killed if it still runs ``timeout``
+    seconds after a test first waits for it (a suite started in the background, beside
+    other tests, is not timed before that: the run never waits longer).
 
     A test module lists its suites in ``WORKER_SUITES``; each is used by the tests that
     request ``fixture`` (with ``param``, for a parametrized fixture). ``conftest.py``
-    plans the suites of the selected tests (:func:`plan`); :meth:`results` starts this
-    one if it has not started, and, while it waits, the next planned ones (see ``JOBS``).
+    runs those modules last (:func:`suites_last`), plans the suites of the selected tests
+    (:func:`plan`) and starts them in the background, in order, before each test
+    (:func:`keep_busy`); :meth:`results` starts this one if it has not started, and,
+    while it waits, the next planned ones (see ``JOBS``).
     """
 
     def __init__(self, script, checks, env, timeout, extra_args=(), fixture="results", param=None):
         self.script, self.checks, self.env, self.timeout = script, list(checks), env, timeout
         self.extra_args, self.fixture, self.param = list(extra_args), fixture, param
         self.proc = self.tmp = None
-        self.deadline = None
+        self.deadline = None  # set when a test first waits for it
         self.done = None  # (results, output) once finished
 
     def used_by(self, item) -> bool:
@@ -210,7 +214,6 @@ class Suite:
         with open(self.tmp / "output.txt", "w") as log:
             args = ["--out", self.tmp / "results.json", *self.extra_args, "--checks", *self.checks]
             self.proc = start(self.script, args, self.env, stdout=log)
-        self.deadline = time.monotonic() + self.timeout
 
     def poll(self) -> bool:
         """Collect the results if the process has ended or is past its deadline (then
@@ -218,7 +221,7 @@ class Suite:
         if self.done is None and self.proc is not None:
             killed = False
             if self.proc.poll() is None:
-                if time.monotonic() < self.deadline:
+                if self.deadline is None or time.monotonic() < self.deadline:
                     return False
                 _kill_group(self.proc)
                 killed = True
@@ -240,7 +243,7 @@ class Suite:
             results = {}
         output = (self.tmp / "output.txt").read_text(errors="replace")
         if killed:
-            output += f"\n[killed after {self.timeout} s]"
+            output += f"\n[killed: still running {self.timeout} s after a test began to wait for it]"
         self.done = (results, output)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -248,6 +251,8 @@ class Suite:
         """``(results, output)`` of the worker (see :func:`assert_check`)."""
         if self.proc is None:
             self.start()
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout
         while not self.poll():
             _start_planned(awaited=self)
             time.sleep(0.2)
@@ -263,15 +268,28 @@ def _kill_group(proc):
         pass
 
 
+def keep_busy():
+    """Start planned suites, in order, while fewer than ``JOBS - 1`` run (before each test:
+    they run beside the tests that need none)."""
+    _start_planned(awaited=None)
+
+
 def _start_planned(awaited):
     """Start planned suites, in order, while fewer than ``JOBS - 1`` run besides
-    ``awaited``."""
+    ``awaited`` (None: a test runs, awaiting none)."""
     for suite in _PLANNED:
         if suite is awaited or suite.poll() or suite.running:
             continue
         if sum(s.running for s in _PLANNED if s is not awaited) >= JOBS - 1:
             return
         suite.start()
+
+
+def suites_last(items):
+    """``items`` (pytest's collected tests) with the test modules that use worker suites
+    (``WORKER_SUITES``) moved after all others, each module's tests kept together and in
+    order: their suites run in the background meanwhile (:func:`keep_busy`)."""
+    return sorted(items, key=lambda item: bool(getattr(getattr(item, "module", None), "WORKER_SUITES", ())))
 
 
 def plan(items):

@@ -1,6 +1,7 @@
-"""The worker-suite runner of ``keras_harness`` (``Suite``): a suite started ahead runs
-beside the awaited one, a worker that dies or hangs fails its checks (never hangs the
-run), and one that writes more than a pipe holds while nobody reads still finishes."""
+"""The worker-suite runner of ``keras_harness`` (``Suite``): suites run in the background
+beside the tests and beside the awaited one, the modules that use them run last, a worker
+that dies or hangs fails its checks (never hangs the run), and one that writes more than
+a pipe holds while nobody reads still finishes."""
 
 import os
 import signal
@@ -101,13 +102,57 @@ def test_a_suite_started_ahead_and_never_awaited_is_killed_at_the_end(script, pl
     assert ahead.proc.returncode is not None and not ahead.running
 
 
+def test_suites_run_in_the_background_while_no_test_waits_for_one(script, planned, monkeypatch):
+    monkeypatch.setattr(harness, "JOBS", 2)
+    first, second = suite(script, ["quick"]), suite(script, ["quick"])
+    planned.extend([first, second])
+    harness.keep_busy()  # what conftest does before each test
+    assert first.running and second.proc is None, "not one suite in the background (JOBS - 1)"
+    first.proc.wait()
+    harness.keep_busy()  # the first one ended: the next starts
+    assert second.proc is not None
+    assert harness.assert_check(*first.results(), "quick")["pid"] != harness.assert_check(*second.results(), "quick")["pid"]
+    monkeypatch.setattr(harness, "JOBS", 1)
+    third = suite(script, ["quick"])
+    planned.append(third)
+    harness.keep_busy()
+    assert third.proc is None, "JOBS = 1 started a suite in the background"
+
+
+def test_a_background_suite_is_timed_from_when_a_test_waits_for_it(script, planned, monkeypatch):
+    monkeypatch.setattr(harness, "JOBS", 2)
+    hanging = suite(script, ["hangs"], timeout=1)
+    planned.append(hanging)
+    harness.keep_busy()
+    time.sleep(1.5)  # past its timeout since it started, but nobody has waited for it
+    assert not hanging.poll() and hanging.running, "killed before any test waited for it"
+    waited = time.monotonic()
+    results = hanging.results()
+    assert hanging.proc.returncode == -signal.SIGKILL and time.monotonic() - waited >= 1, hanging.proc.returncode
+    assert results[1].endswith("[killed: still running 1 s after a test began to wait for it]"), results[1][-200:]
+
+
+def test_the_modules_that_use_suites_run_last_in_their_order():
+    class Module:
+        def __init__(self, uses):
+            self.WORKER_SUITES = [object()] if uses else []
+
+    class Item:
+        def __init__(self, name, module):
+            self.name, self.module = name, module
+
+    a, b, c = Module(True), Module(False), Module(True)
+    items = [Item("a1", a), Item("a2", a), Item("b1", b), Item("c1", c), Item("b2", b), Item("c2", c)]
+    assert [i.name for i in harness.suites_last(items)] == ["b1", "b2", "a1", "a2", "c1", "c2"]
+
+
 def test_output_beyond_a_pipe_buffer_does_not_stop_a_worker(script, planned):
     chatty = suite(script, ["chatty", "quick"], timeout=60)
     results, output = chatty.results()
     harness.assert_check(results, output, "quick")
     # it ended by itself, all it wrote kept: a worker stopped on a full pipe would have
     # been killed at its deadline instead
-    assert chatty.proc.returncode == 0 and "[killed after" not in output, (chatty.proc.returncode, output[-200:])
+    assert chatty.proc.returncode == 0 and "[killed" not in output, (chatty.proc.returncode, output[-200:])
     assert "x" * 1_000_000 in output
 
 
@@ -119,9 +164,9 @@ def test_a_hanging_worker_is_killed_at_its_timeout(script, planned):
     assert time.monotonic() >= hanging.deadline
     with pytest.raises(ProcessLookupError):
         os.killpg(hanging.proc.pid, 0)
-    assert results[1].endswith("[killed after 5 s]"), results[1][-200:]
+    assert results[1].endswith("[killed: still running 5 s after a test began to wait for it]"), results[1][-200:]
     harness.assert_check(*results, "quick")  # finished before the hang: kept
-    with pytest.raises(AssertionError, match=r"(?s)'hangs' did not run.*killed after 5 s"):
+    with pytest.raises(AssertionError, match=r"(?s)'hangs' did not run.*killed: still running 5 s"):
         harness.assert_check(*results, "hangs")
 
 
