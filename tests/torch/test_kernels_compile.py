@@ -105,9 +105,12 @@ VARIANTS = list(_variants())
 def test_kernel_compiles_for_sm90(name, signature, constexprs):
     """It compiles, and every floating-point division in it rounds once, to nearest, as
     the interpreter's (numpy's) do: Triton's float32 ``/`` becomes PTX's approximate
-    ``div.full.f32`` (up to 2 ulp), which only a compiled kernel would show."""
+    ``div.full.f32`` (up to 2 ulp), which only a compiled kernel would show; nor is any
+    other float32 operation approximate (``tl.exp`` of a float32 is ``ex2.approx.f32``).
+    (libdevice's float64 ``log`` seeds its Newton steps with ``rcp.approx.ftz.f64``.)"""
     ptx = _compile(name, dict(signature), dict(constexprs))
     assert re.findall(r"\bdiv\.(?:approx|full)\.[\w.]+", ptx) == [], name
+    assert re.findall(r"\b\w+\.approx\.(?:ftz\.)?f32\b", ptx) == [], name
     # compiled with the launchers' options, no a * b + c becomes one fused multiply-add (the
     # interpreter rounds both); only the transcendental functions of ELU (libdevice's exp and
     # log, fused by design) hold any
