@@ -114,11 +114,11 @@ def test_kernel_compiles_for_sm90(name, signature, constexprs):
     # compiled with the launchers' options, no a * b + c becomes one fused multiply-add (the
     # interpreter rounds both); only the transcendental functions of ELU (libdevice's exp and
     # log, fused by design) hold any
-    if not _transcendental(name, constexprs):
+    if not _transcendental(constexprs):
         assert re.findall(r"\bfma\.[\w.]+", ptx) == [], name
 
 
-def _transcendental(name, constexprs):
+def _transcendental(constexprs):
     return constexprs.get("ACT") == 2 or constexprs.get("MODE") == 2 or constexprs.get("ELU", False)
 
 
