@@ -64,6 +64,53 @@ def test_float32_sums_stay_exact_up_to_the_largest_world():
     assert not bool(fingerprint._agree(same - full + off, small, world))
 
 
+class _Elsewhere(torch.Tensor):
+    """A tensor on another device (it says ``cuda:0``; its values live in ``inner``) that,
+    as a real device's kernels do, refuses every operation mixing it with a CPU tensor."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=torch.device("cuda", 0))
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __repr__(self):
+        return f"_Elsewhere({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        kwargs = kwargs or {}
+        if any(not isinstance(t, cls) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            raise RuntimeError(f"{func}: expected all tensors to be on the same device")
+        args, kwargs = tree_map(lambda t: t.inner if isinstance(t, cls) else t, (args, kwargs))
+        return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, func(*args, **kwargs))
+
+
+@pytest.mark.parametrize("failing", ["cpu", "elsewhere", "none"])
+def test_verdicts_on_two_devices_are_read_apart(failing):
+    """A CPU check (a CPU layer's overflow, or one a user defers) may wait beside a GPU
+    layer's verdicts: each device's verdicts are reduced on that device, so the check that
+    failed raises its own error, not torch's device mismatch, and agreement raises nothing."""
+    errors = {place: RuntimeError(f"the {place} check failed") for place in ("cpu", "elsewhere")}
+    fingerprint.reset()
+    try:
+        for i in range(3):
+            for place, error in errors.items():
+                ok = torch.tensor(not (place == failing and i == 1))
+                fingerprint.defer(_Elsewhere(ok) if place == "elsewhere" else ok, error)
+        if failing == "none":
+            fingerprint.check_agreement()
+        else:
+            with pytest.raises(RuntimeError, match=f"the {failing} check failed"):
+                fingerprint.check_agreement()
+        assert not fingerprint._pending
+    finally:
+        fingerprint.reset()
+
+
 @pytest.mark.parametrize("kernel_fit", [True, False])
 def test_overflow_checks_of_a_backward_pass_are_read_once_when_it_ends(monkeypatch, kernel_fit):
     """Every synchronized backward call queues its kept-channel check (defer_overflow):

@@ -398,14 +398,24 @@ def check_agreement() -> None:
     pending = list(_pending)
     _pending.clear()
     with torch.autograd.profiler.record_function(STEP_CHECK):
-        if bool(torch.stack([p[0] for p in pending]).all()):  # the one synchronization
-            return
+        if all(bool(torch.stack(same).all()) for same in _by_device([p[0] for p in pending])):
+            return  # one synchronization per device (a CPU verdict's read is free)
     for ok, sums, tag, world, rank, backward in pending:
         if not bool(ok):
             if sums is None:  # a deferred check (defer): its own error
                 _pending.clear()
                 raise tag() if callable(tag) else tag
             _raise(tag, sums, world, rank[0], backward, rank[1])
+
+
+def _by_device(verdicts: list) -> list:
+    """``verdicts`` in one list per device, in the order of their first: a CPU check (an
+    overflow of a CPU layer, or one of :func:`defer`) may wait beside a GPU's verdicts,
+    and one ``torch.stack`` of both would raise torch's device error instead of theirs."""
+    groups = {}
+    for verdict in verdicts:
+        groups.setdefault(verdict.device, []).append(verdict)
+    return list(groups.values())
 
 
 # ---- the message ---------------------------------------------------------------------
