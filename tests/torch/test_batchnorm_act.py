@@ -345,6 +345,56 @@ def test_a_group_of_empty_ranks_is_torchs_empty_batch(pool, activation, momentum
     check_empty_group(results, 3, "SyncBatchNormAct", momentum, track, activation)
 
 
+def overflowed_variance_job(activation, param):
+    """W = 2, float32, channel 0 holding one value of 1e30 (rank 0's): its variance
+    overflows float32 to inf, so its invstd is 0. This rank's output, input gradient and
+    local weight and bias gradients, beside torch's BatchNorm2d + activation on the
+    concatenated batch (this rank's rows; torch's weight and bias gradients whole)."""
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 2, 2, generator=gen)
+    x[1, 0, 0, 1] = 1e30
+    dy = torch.randn(6, 3, 2, 2, generator=gen)
+    rows = slice(3 * rank, 3 * rank + 3)
+    layer = syncbn.SyncBatchNormAct(3, activation, param, process_group=group)
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        for module in (layer, bn):
+            module.weight.copy_(torch.tensor([1.5, 0.7, -1.2]))
+            module.bias.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+    out = {}
+    for name, module, inp, grad in (("ours", layer, x[rows], dy[rows]),
+                                    ("torch", nn.Sequential(bn, torch_activation(activation, param)), x, dy)):
+        inp = inp.clone().requires_grad_()
+        y = module(inp)
+        y.backward(grad)
+        out[name] = (y.detach()[rows] if name == "torch" else y.detach(),
+                     inp.grad[rows] if name == "torch" else inp.grad)
+    out["ours_wb"] = (layer.weight.grad, layer.bias.grad)
+    out["torch_wb"] = (bn.weight.grad, bn.bias.grad)
+    return out
+
+
+@pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 1.0), ("identity", 0.01)])
+def test_a_variance_beyond_float32_gives_torchs_zero_gradient(pool, activation, param):
+    """A float32 channel whose variance overflows (values beyond about 1e19): torch's
+    batch norm normalizes it with invstd 0 (every output the activated bias, input
+    gradient 0); the synchronized backward divided the local sum of dz * xhat by that 0
+    for its payload and gave every rank NaN input gradients there."""
+    results = pool.run(overflowed_variance_job, activation, param)[:2]
+    for r in results:
+        (y, dx), (ref_y, ref_dx) = r["ours"], r["torch"]
+        assert max_rel_err(y, ref_y) <= TOL["float32"]
+        assert max_rel_err(dx, ref_dx) <= TOL["float32"]
+        assert torch.equal(dx[:, 0], torch.zeros_like(dx[:, 0]))  # invstd 0: exactly 0, as torch's
+    # the local weight and bias gradients add up to the single process's
+    for ours, ref in zip(zip(*(r["ours_wb"] for r in results)), results[0]["torch_wb"]):
+        assert max_rel_err(ours[0] + ours[1], ref) <= TOL["float32"]
+
+
 # ---- communication ------------------------------------------------------------------
 
 

@@ -416,7 +416,10 @@ class _SyncBatchNormAct(torch.autograd.Function):
             # with this one under the same fingerprint (same name and width), and mixed sums
             # were wrong. The overflow slot (0: this path keeps every channel it needs) is
             # where the Triton path's ranks count their kept-channel overflow
-            packed = backward_payload(sum_dy, sum_dy_xhat / invstd)
+            # invstd is 0 where the variance overflowed the compute dtype (float32 inputs
+            # beyond about 1e19): xhat, and torch's input gradient there, are 0, and the sum
+            # received is multiplied by that 0. Divided by 0 it was NaN on every rank
+            packed = backward_payload(sum_dy, sum_dy_xhat / torch.where(invstd == 0, 1.0, invstd))
             packed, _ = fingerprint.all_reduce_checked(
                 packed, ctx.group, ctx.tag, distributed.group_size(ctx.group), backward=True
             )
