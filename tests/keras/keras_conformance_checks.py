@@ -7,7 +7,8 @@ written for this project: the layer contract (weights, regularizer losses, maski
 support, config round trip, ``synchronized``), training values against Keras's layer
 and the float64 oracle for masks with every channel axis, fully masked inputs and
 batches of one value per channel, masked training through ``fit``, ``trainable=False``,
-batch renormalization, dtype policies, and compiled (XLA / ``jax.jit``) against eager.
+batch renormalization, dtype policies, compiled (XLA / ``jax.jit``) against eager, and
+second-order and forward-mode derivatives.
 
     KERAS_BACKEND=jax python tests/keras_conformance_checks.py --out R.json --checks NAME...
 """
@@ -611,6 +612,78 @@ def second_order_gradients():
                 for who, want in wants.items():
                     assert np.max(np.abs(want)) > 1e-3, (what, "a penalty gradient this small proves nothing")
                     info[f"{what} vs {who}"] = assert_close(got, want, rtol, rtol * np.max(np.abs(want)), what)
+    return info
+
+
+def forward_derivative(forward, x, t, jit=False, hvp=False):
+    """The forward-mode derivative of a training call ``forward`` at ``x`` along ``t``,
+    as float64 numpy: the output's tangent (TensorFlow's ``ForwardAccumulator``, JAX's
+    ``jax.jvp``, PyTorch's dual tensors); with ``hvp`` (JAX), the Hessian-vector product
+    of ``sum(y^3)``, ``jax.jvp`` of ``jax.grad`` (forward over reverse). ``jit``: traced
+    (``tf.function``) / ``jax.jit``."""
+    name = backend()
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        def run(x, t):
+            with tf.autodiff.ForwardAccumulator(x, t) as acc:
+                y = forward(x)
+            return acc.jvp(y)
+
+        return to_numpy((tf.function(run) if jit else run)(tf.constant(x), tf.constant(t)))
+    if name == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        f = jax.grad(lambda x: jnp.sum(forward(x) ** 3)) if hvp else forward
+        run = lambda x, t: jax.jvp(f, (x,), (t,))[1]  # noqa: E731
+        return to_numpy((jax.jit(run) if jit else run)(jnp.asarray(x), jnp.asarray(t)))
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        y = forward(fwAD.make_dual(torch.tensor(x), torch.tensor(t)))
+        return to_numpy(fwAD.unpack_dual(y).tangent)
+
+
+@check
+def forward_mode_derivatives():
+    """Forward-mode derivatives of a training call exist and are exact on every backend,
+    as with Keras's own layer (on JAX a custom VJP would refuse them: ``jax.jvp``,
+    ``jax.jacfwd``, ``jax.hessian``): the output's tangent, eager and compiled, masked
+    and not, and on JAX a Hessian-vector product (``jax.jvp`` of ``jax.grad``), equal
+    those of Keras's layer (unmasked; masked, Keras adds 1e-7 to its counts) and of the
+    batch-norm formula differentiated by the backend (in float64). Tolerances as in
+    :func:`second_order_gradients` (a first derivative and a Hessian-vector product take
+    fewer operations than a penalty's gradient); a derivative that misses a term (the
+    statistics' own) is off by O(1)."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization as Sync
+
+    rng = np.random.default_rng(13)
+    info = {}
+    with float64_enabled():
+        rtol = 1e-9 if keras.backend.result_type("float64", "float32") == "float64" else 1e-4
+        info["rtol"] = rtol
+        for shape, axis, mask_kind in (((6, 3), -1, None), ((5, 4, 3), 1, "random"), ((4, 5, 3), -1, "random")):
+            x = rng.standard_normal(shape) * 2 + 1
+            t = rng.standard_normal(shape)
+            mask = None if mask_kind is None else keras_mask(rng, shape, mask_kind)
+            layers = {cls: built(cls, shape, 13, axis=axis, dtype="float64")
+                      for cls in (Sync, keras.layers.BatchNormalization)}
+            for jit in ((False,) if backend() == "torch" else (False, True)):
+                for hvp in ((False, True) if backend() == "jax" else (False,)):
+                    what = (f"{shape} axis {axis} mask {mask_kind} {'compiled' if jit else 'eager'}"
+                            f"{' hvp' if hvp else ''}")
+                    got = forward_derivative(training_forward(layers[Sync], mask), x, t, jit, hvp)
+                    wants = {"formula": forward_derivative(formula_forward(layers[Sync], mask), x, t, jit, hvp)}
+                    if mask is None:
+                        keras_forward = training_forward(layers[keras.layers.BatchNormalization], mask)
+                        wants["keras"] = forward_derivative(keras_forward, x, t, jit, hvp)
+                    for who, want in wants.items():
+                        assert np.max(np.abs(want)) > 1e-3, (what, "a derivative this small proves nothing")
+                        info[f"{what} vs {who}"] = assert_close(got, want, rtol, rtol * np.max(np.abs(want)), what)
     return info
 
 

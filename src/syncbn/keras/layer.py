@@ -84,7 +84,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     strategies: the closed-form backward is written in differentiable ops of tensors
     computed from the input, and the all-reduce's gradient is an all-reduce, so the
     second-order backward adds collectives) and on JAX, as on PyTorch in one process
-    (plain autograd). Across ``torch.distributed`` ranks they raise ``RuntimeError``
+    (plain autograd). On one device forward-mode derivatives (``jax.jvp``,
+    ``jax.hessian``, TensorFlow's ``ForwardAccumulator``) are exact too, as with Keras's
+    layer. Across ``torch.distributed`` ranks they raise ``RuntimeError``
     (autograd cannot see the sums): a silently incomplete second derivative would be
     worse than none.
 

@@ -252,9 +252,16 @@ def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_
     quantity the backward uses is computed from ``x`` by differentiable ops inside the
     function (``combine`` and ``all_reduce`` must be differentiable too), so
     differentiating the backward again (a gradient penalty) gives the exact second
-    derivative: TensorFlow records the forward's ops on every active tape, JAX
-    differentiates a custom VJP's residuals.
+    derivative: TensorFlow records the forward's ops on every active tape.
+
+    On JAX (always local here: ``combine`` and ``all_reduce`` are TensorFlow's) the
+    same closed form is a JVP rule instead (:func:`_jax_train_local`), which JAX
+    transposes for reverse mode: a custom VJP would refuse forward-mode derivatives
+    (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, Hessian-vector products), which
+    Keras's own layer gives.
     """
+    if keras.backend.backend() == "jax" and combine is None and all_reduce is None:
+        return _jax_train_local(x, axis, mask, gamma, beta, epsilon)
     ndim = len(x.shape)
     channels = x.shape[axis]
     shape = broadcast_shape(ndim, axis, channels)
@@ -301,5 +308,57 @@ def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_
 
         stats = (ops.stop_gradient(ops.reshape(mean, (channels,))), ops.stop_gradient(ops.reshape(var, (channels,))))
         return (y,) + stats, grad
+
+    return train(x, gamma, beta)
+
+
+def _jax_train_local(x, axis: int, mask, gamma, beta, epsilon):
+    """:func:`train_normalize` on JAX, one batch's own statistics, as a ``jax.custom_jvp``.
+
+    With ``xhat = (x - mean) / sqrt(var + eps)``, ``scale = gamma / sqrt(var + eps)``,
+    ``w`` the 0/1 weights of counted elements and ``n`` their count, a tangent ``tx``
+    (``tgamma``, ``tbeta``) moves the output by
+
+    ``ty = scale * (tx - sum(w tx) / n - xhat * sum(w xhat tx) / n) + xhat * tgamma + tbeta``
+
+    (the mean moves by ``sum(w tx) / n``, the variance by ``2 sum(w (x - mean) tx) / n``),
+    linear in the tangents, so JAX's transpose of it is the closed-form backward of
+    :func:`train_normalize` (two sums and one elementwise pass), and the rule, plain JAX
+    of the primal values, differentiates again to every order in either mode. ``mean``
+    and ``var`` carry no derivative, as :func:`train_normalize`'s."""
+    import jax
+
+    ndim = len(x.shape)
+    channels = x.shape[axis]
+    shape = broadcast_shape(ndim, axis, channels)
+    weights = None if mask is None else ops.cast(mask, x.dtype)
+    gamma = ops.ones((channels,), x.dtype) if gamma is None else gamma
+    beta = ops.zeros((channels,), x.dtype) if beta is None else beta
+
+    def forward(x, gamma, beta):
+        count = element_count(x, axis, mask, x.dtype)
+        m0, d, s, m2 = centered_sums(x, axis, mask, count)
+        n = safe_count(count, ndim, axis)
+        delta = s / n
+        inv = ops.rsqrt(m2 / n + epsilon)
+        scale = ops.reshape(gamma, shape) * inv
+        y = d * scale + (ops.reshape(beta, shape) - delta * scale)
+        stats = (ops.reshape(m0 + delta, (channels,)), ops.reshape(m2 / n, (channels,)))
+        return (y,) + stats, (d, delta, inv, scale, n)
+
+    @jax.custom_jvp
+    def train(x, gamma, beta):
+        return forward(x, gamma, beta)[0]
+
+    @train.defjvp
+    def train_jvp(primals, tangents):
+        outputs, (d, delta, inv, scale, n) = forward(*primals)
+        xhat = (d - delta) * inv
+        tx, tgamma, tbeta = tangents
+        counted = tx if weights is None else tx * weights
+        t_mean = channel_sum(counted, axis) / n
+        t_spread = channel_sum(counted * xhat, axis) / n
+        ty = scale * (tx - t_mean - xhat * t_spread) + xhat * ops.reshape(tgamma, shape) + ops.reshape(tbeta, shape)
+        return outputs, (ty, ops.zeros_like(outputs[1]), ops.zeros_like(outputs[2]))
 
     return train(x, gamma, beta)
