@@ -284,9 +284,7 @@ def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_
             n = ops.reshape(ops.cast(at_least(total, 1.0), x.dtype), cshape)
             delta = ops.cast(ops.reshape(mean, shape) - ops.cast(m0, mean.dtype), x.dtype)
             mean, var = ops.cast(mean, x.dtype), ops.cast(ops.reshape(var, shape), x.dtype)
-        inv = ops.rsqrt(var + epsilon)
-        scale = ops.reshape(gamma, shape) * inv
-        y = d * scale + (ops.reshape(beta, shape) - delta * scale)
+        y, inv, scale = _normalized(d, delta, var, gamma, beta, shape, epsilon)
 
         def grad(*args, upstream=None):
             dy = args[0] if upstream is None else upstream
@@ -310,6 +308,14 @@ def train_normalize(x, axis: int, mask, gamma, beta, epsilon, combine=None, all_
         return (y,) + stats, grad
 
     return train(x, gamma, beta)
+
+
+def _normalized(d, delta, var, gamma, beta, shape, epsilon):
+    """``(y, 1 / sqrt(var + eps), scale)`` of :func:`train_normalize`'s forward: ``y = d *
+    scale + (beta - delta * scale)`` with ``scale = gamma / sqrt(var + eps)``."""
+    inv = ops.rsqrt(var + epsilon)
+    scale = ops.reshape(gamma, shape) * inv
+    return d * scale + (ops.reshape(beta, shape) - delta * scale), inv, scale
 
 
 def _jax_train_local(x, axis: int, mask, gamma, beta, epsilon):
@@ -340,9 +346,7 @@ def _jax_train_local(x, axis: int, mask, gamma, beta, epsilon):
         m0, d, s, m2 = centered_sums(x, axis, mask, count)
         n = safe_count(count, ndim, axis)
         delta = s / n
-        inv = ops.rsqrt(m2 / n + epsilon)
-        scale = ops.reshape(gamma, shape) * inv
-        y = d * scale + (ops.reshape(beta, shape) - delta * scale)
+        y, inv, scale = _normalized(d, delta, m2 / n, gamma, beta, shape, epsilon)
         stats = (ops.reshape(m0 + delta, (channels,)), ops.reshape(m2 / n, (channels,)))
         return (y,) + stats, (d, delta, inv, scale, n)
 
