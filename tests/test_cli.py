@@ -94,6 +94,18 @@ def test_an_unusable_output_folder_is_one_usage_line_before_any_work(command, ki
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_an_empty_output_folder_is_a_usage_error_before_any_work(command, tmp_path, monkeypatch, capsys):
+    """``--out ""`` was taken for the current folder: the demo trained every run and then
+    failed in ``os.makedirs("")``, the bench wrote its report where it was started."""
+    _no_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([command, "--quick", "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert err == f"syncbn {command}: --out is empty; give a folder that can be created and written\n", err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--backend", "jax"], "--backend jax is a Keras backend"),
     (["--framework", "keras", "--backend", "gloo"], "--backend gloo is a torch.distributed backend"),

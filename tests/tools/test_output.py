@@ -60,3 +60,12 @@ def test_a_read_only_folder_is_refused(tmp_path):
     finally:
         folder.chmod(0o700)
     assert problem is not None and f"cannot write in {folder} (" in problem, problem
+
+
+def test_an_empty_path_is_refused_by_name(tmp_path, monkeypatch):
+    """``""`` passed the check as the current folder, where ``os.makedirs("")`` (the demo's
+    report writer) then raised FileNotFoundError after every run had trained."""
+    monkeypatch.chdir(tmp_path)
+    assert unusable_output("") == f"--out is empty{TAIL}"
+    assert unusable_output("", option="--dir") == f"--dir is empty{TAIL}"
+    assert list(tmp_path.iterdir()) == []

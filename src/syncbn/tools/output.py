@@ -20,8 +20,13 @@ def unusable_output(out: str, option: str = "--out") -> Optional[str]:
 
     Leaves nothing behind: it makes and removes an empty folder in ``out``, or in the
     nearest existing folder above it (where ``os.makedirs`` will start), a real try
-    where permission bits say nothing (root, /proc, a read-only mount)."""
-    reason = _reason(os.fspath(out))
+    where permission bits say nothing (root, /proc, a read-only mount). An empty ``out``
+    is refused too: the check would judge the current folder, where ``os.makedirs``
+    (the demo's report writer) fails after the whole run."""
+    out = os.fspath(out)
+    if not out:
+        return f"{option} is empty; give a folder that can be created and written"
+    reason = _reason(out)
     if reason is None:
         return None
     return f"{option} {out}: {reason}; give a folder that can be created and written"
