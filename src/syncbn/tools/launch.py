@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-__all__ = ["WorkerPool", "WorkerError", "FAILURE_GRACE_S", "free_port", "launched_by_torchrun"]
+__all__ = ["WorkerPool", "WorkerError", "FAILURE_GRACE_S", "MAX_TIMEOUT_S", "free_port", "launched_by_torchrun"]
 
 # Once a rank of a job has failed, how long (seconds) the pool waits for the next answer
 # before it takes the ranks that have not answered as stuck on the failed one(s). Ranks that
@@ -32,6 +32,13 @@ __all__ = ["WorkerPool", "WorkerError", "FAILURE_GRACE_S", "free_port", "launche
 # busy cores; 10 s leaves a wide margin for a rank that is slow but honest, and still ends
 # a one-rank failure long before a process group's timeout (60 s to 10 minutes).
 FAILURE_GRACE_S = 10.0
+
+# The longest process-group timeout (seconds) the command-line tools accept. torch holds
+# the timeout as int64 nanoseconds and adds it to clock readings: past 2**63 ns (about
+# 9.2e9 s) less the clock reading, a deadline overflows, and the ranks hang, fail to
+# connect or die in an OverflowError (seen with 9e9, 1e10 and 1e300). 1e9 s (about 31
+# years) is far below that and far beyond any wait a run needs.
+MAX_TIMEOUT_S = 1e9
 
 
 def free_port() -> int:

@@ -179,7 +179,7 @@ def run(args) -> int:
 
     if torch_missing("soak"):  # the workers train torch models: say so before starting them
         return 2
-    from .launch import WorkerPool
+    from .launch import MAX_TIMEOUT_S, WorkerPool
 
     wrong = [f"{option} must be {rule}, got {value}" for option, value, bad, rule in (
         ("--steps", args.steps, args.steps < 1, "at least 1"),
@@ -189,6 +189,8 @@ def run(args) -> int:
         ("--max-growth-mb", args.max_growth_mb, not (args.max_growth_mb >= 0 and math.isfinite(args.max_growth_mb)),
          "a finite number >= 0"),
         ("--timeout", args.timeout, not 0.0 < args.timeout < math.inf, "a finite positive number"),
+        # torch's deadlines overflow beyond it (see MAX_TIMEOUT_S)
+        ("--timeout", args.timeout, MAX_TIMEOUT_S < args.timeout < math.inf, "at most 1e9 seconds (about 31 years)"),
     ) if bad]
     if wrong:
         print("syncbn soak: " + "; ".join(wrong), file=sys.stderr)

@@ -65,6 +65,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from .launch import MAX_TIMEOUT_S
 from .usage import UsageError, torch_missing
 
 __all__ = ["HELP", "VerifySpec", "LayerOrderError", "add_arguments", "run", "main", "verify"]
@@ -105,9 +106,11 @@ class VerifySpec:
 def _check_spec(spec: VerifySpec) -> None:
     """Raise :class:`UsageError` for options no run can honour: a negative (or NaN)
     tolerance would make every allowance negative, and every difference pass; a timeout
-    that is not positive kills the workers before they connect; a learning rate of 0 never
-    moves the parameters (their comparison checks nothing), a negative one failed on every
-    rank in torch's SGD (a traceback reported as a distributed FAIL);
+    that is not positive kills the workers before they connect, one over
+    :data:`~syncbn.tools.launch.MAX_TIMEOUT_S` hung them or killed them in an overflow; a
+    learning rate of 0 never moves the parameters (their comparison checks nothing), a
+    negative one failed on every rank in torch's SGD (a traceback reported as a
+    distributed FAIL);
     a seed of 2**64 or more (or one that derived seeds push there) overflowed torch's
     generators in a traceback."""
     if spec.world_size < 2:
@@ -120,6 +123,8 @@ def _check_spec(spec: VerifySpec) -> None:
         raise UsageError(f"--tolerance must be a finite number >= 0, got {spec.tolerance}")
     if not 0.0 < spec.timeout < float("inf"):
         raise UsageError(f"--timeout must be a finite positive number of seconds, got {spec.timeout}")
+    if spec.timeout > MAX_TIMEOUT_S:  # torch's deadlines overflow (see MAX_TIMEOUT_S)
+        raise UsageError(f"--timeout must be at most 1e9 seconds (about 31 years), got {spec.timeout}")
     if not 0.0 < spec.lr < float("inf"):
         raise UsageError(f"--lr must be a finite positive number, got {spec.lr}")
     if not 0 <= spec.seed < 2**32:  # the data's and loss weights' seeds derive from it
