@@ -1,5 +1,7 @@
 """syncbn.torch.functional.sync_batch_norm: the function form, and errors that every rank agrees on."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -647,3 +649,94 @@ def test_float16_running_var_beyond_float16_in_one_process(activation):
     ours = syncbn.SyncBatchNormAct(3, activation=activation).half()
     ours(x)
     check_half_buffers([(x.double(), ours.running_mean.double(), ours.running_var.double())])
+
+
+def non_finite_job(form, path, value):
+    """W = 2, float32, (6, 3, 2, 2) split 3 + 3: rank 0's element (1, c, 0, 1) set to
+    ``value`` (channel 0 for a finite value, 1e30: its variance overflows float32; channel
+    1 for NaN or inf), one training step of ``form`` (SyncBatchNormAct: leaky_relu 0.1) on
+    this rank's ``path``. This rank's output and input gradient and the running buffers,
+    beside torch's BatchNorm2d (+ LeakyReLU) on the concatenated batch (this rank's rows)."""
+    import contextlib
+
+    import torch.nn as nn
+
+    import syncbn
+    from syncbn.torch import fingerprint, stats
+
+    group = group_of(2)
+    if not in_group(2):
+        return None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 2, 2, generator=gen)
+    x[1, 0 if math.isfinite(value) else 1, 0, 1] = value
+    dy = torch.randn(6, 3, 2, 2, generator=gen)
+    rows = slice(3 * rank, 3 * rank + 3)
+    if form == "SyncBatchNorm":
+        layer, ref = syncbn.SyncBatchNorm(3, process_group=group), nn.BatchNorm2d(3)
+        chain = ref
+    else:
+        layer, ref = syncbn.SyncBatchNormAct(3, "leaky_relu", 0.1, process_group=group), nn.BatchNorm2d(3)
+        chain = nn.Sequential(ref, nn.LeakyReLU(0.1))
+    with torch.no_grad():
+        for module in (layer, ref):
+            module.weight.copy_(torch.tensor([1.5, 0.7, -1.2]))
+            module.bias.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+    forced = {"cuda": stats._forced_cuda_path, "triton": stats._forced_triton_path}.get(path)
+    out = {}
+    for name, module, inp, grad in (("ours", layer, x[rows], dy[rows]), ("torch", chain, x, dy)):
+        inp = inp.clone().requires_grad_()
+        with forced() if forced and name == "ours" else contextlib.nullcontext():
+            y = module(inp)
+            y.backward(grad)
+            fingerprint.check_agreement()  # a NaN statistic is no disagreement
+        keep = rows if name == "torch" else slice(None)
+        out[name] = (y.detach()[keep], inp.grad[keep])
+    out["buffers"] = [(m.running_mean.clone(), m.running_var.clone()) for m in (layer, ref)]
+    return out
+
+
+def check_non_finite(results, value):
+    """Each rank's output, input gradient and running buffers are torch's: the channel
+    holding a NaN or an infinity has output and input gradient NaN throughout, on every rank
+    (torch's statistics of it are NaN), and its non-finite running buffers (and the
+    overflowed channel's infinite running variance) are torch's, bit for bit; the rest is
+    within float32's oracle tolerance (bn_oracle.TOL: the statistics of
+    the 24 values per channel in float32 and a few roundings after); a channel whose
+    float32 variance overflows normalized with invstd 0, as torch's, its input gradient
+    exactly 0. ``max_rel_err`` counts any NaN or infinity as a failure."""
+    from bn_oracle import TOL, max_rel_err
+
+    bad = 0 if math.isfinite(value) else 1
+    for r in results:
+        pairs = list(zip(r["ours"], r["torch"])) + list(zip(*r["buffers"]))
+        for ours, ref in pairs:
+            if ours.dim() == 1:  # a running buffer: one value a channel
+                ours, ref = ours[:, None], ref[:, None]
+            else:
+                ours, ref = ours.transpose(0, 1).flatten(1), ref.transpose(0, 1).flatten(1)
+            for c in range(3):
+                if not ref[c].isfinite().all():  # NaN where torch's is, the same values elsewhere
+                    nan = ref[c].isnan()
+                    assert torch.equal(ours[c].isnan(), nan) and torch.equal(ours[c][~nan], ref[c][~nan]), \
+                        (c, ours[c], ref[c])
+                else:
+                    assert max_rel_err(ours[c].double(), ref[c].double()) <= TOL["float32"], (c, ours[c], ref[c])
+        if math.isfinite(value):
+            dx = r["ours"][1][:, 0]
+            assert torch.equal(dx, torch.zeros_like(dx))  # invstd 0: exactly 0, as torch's
+        else:
+            assert all(t[:, bad].isnan().all() for t in r["ours"])  # torch's too (compared above)
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct"])
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+@pytest.mark.parametrize("value", [1e30, float("nan"), float("inf")], ids=["overflow", "nan", "inf"])
+def test_non_finite_and_overflowing_channels_are_torchs(pool, form, path, value):
+    """A NaN or an infinity in one rank's input, a float32 variance beyond float32's range:
+    every path of both layers as torch's batch norm on the concatenated batch. On the
+    torch-op CUDA path the CPU stand-in of torch.batch_norm_backward_reduce divided the sum
+    of dy * xhat by invstd, 0 where the variance overflowed: every input gradient NaN (the
+    CUDA kernel sums dy (x - mean) itself)."""
+    check_non_finite(pool.run(non_finite_job, form, path, value)[:2], value)

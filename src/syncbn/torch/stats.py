@@ -749,9 +749,13 @@ def _input_grad_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, i
 def _backward_reduce_standin(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                              weight: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                       torch.Tensor]:
-    sum_dy, sum_dy_xhat = backward_sums(dy, x, mean, invstd)
+    # sum dy (x - mean) taken directly (invstd 1), as the CUDA kernel does: not the sum
+    # of dy * xhat divided by invstd, which is 0 where the variance overflowed the compute
+    # dtype (float32 inputs beyond about 1e19), and 0 / 0 was NaN in every input gradient
+    ones = constant(_filled, (1.0, x.shape[1]), invstd.dtype, invstd.device)
+    sum_dy, sum_dy_xmu = backward_sums(dy, x, mean, ones)
     dtype = sum_dy.dtype if weight is None else weight.dtype
-    return sum_dy, sum_dy_xhat / invstd, sum_dy_xhat.to(dtype, copy=True), sum_dy.to(dtype, copy=True)
+    return sum_dy, sum_dy_xmu, (sum_dy_xmu * invstd).to(dtype), sum_dy.to(dtype, copy=True)
 
 
 @functools.lru_cache(maxsize=None)
