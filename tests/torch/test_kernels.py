@@ -747,3 +747,31 @@ def test_kernels_refuse_more_channel_blocks_than_a_launch_grid_holds(monkeypatch
     assert (worst <= kernels.MAX_CHANNEL_BLOCKS) is fits
     monkeypatch.setattr(kernels, "available", lambda device: True)
     assert kernels.supports(x) is fits
+
+
+def non_finite_kernels_job(form, value):
+    """test_functional's non_finite_job on the Triton path, with the kernel calls made."""
+    from syncbn.torch import kernels
+    from test_functional import non_finite_job
+
+    assert kernels.available("cpu"), "the pool's Triton does not interpret"
+    with _Launches() as launches:
+        result = non_finite_job(form, "triton", value)
+    if result is not None:
+        result["launches"] = launches.calls
+    return result
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nan_statistic_is_torchs_on_kernels(triton_pool, form, value):
+    """A NaN or an infinity in one rank's input: the channel's output, input gradient and
+    running variance NaN on every rank, as torch's on the concatenated batch, the other
+    channels untouched, and no disagreement reported. The merge kernel clamped the
+    variance with tl.maximum(var, 0), which returns the 0 for a NaN: the running variance
+    moved towards 0, finite."""
+    from test_functional import check_non_finite
+
+    results = triton_pool.run(non_finite_kernels_job, form, value)[:2]
+    assert all(all(n > 0 for n in r["launches"].values()) for r in results), [r["launches"] for r in results]
+    check_non_finite(results, value)

@@ -449,7 +449,10 @@ def _merge_kernel(sum_ptr, agree_ptr, scalar_ptr, mom_ptr, rm_ptr, rv_ptr, stats
         s1 = tl.load(sum_ptr + SIZE + 1 + cols, mask=cmask, other=0.0)
         s2 = tl.load(sum_ptr + SIZE + 1 + C + cols, mask=cmask, other=0.0)
         mean = s1 / held
-        var = tl.maximum(s2 / held - mean * mean, 0.0)
+        # negative rounding residue to 0; a NaN (a NaN or infinity in the channel's input)
+        # stays NaN, as torch's statistics and running variance: tl.maximum returned the 0
+        var = s2 / held - mean * mean
+        var = tl.where(var < 0.0, 0.0, var)
         invstd = 1.0 / tl.sqrt(var + eps)
         hi = mean.to(stats_ptr.dtype.element_ty)
         lo = (mean - hi.to(tl.float64)).to(stats_ptr.dtype.element_ty)
