@@ -92,6 +92,21 @@ def test_an_input_shape_the_model_cannot_take_exits_2_before_any_rank_starts(cap
     assert time.monotonic() - start < 30
 
 
+def test_an_input_shape_no_tensor_can_have_is_a_usage_error(capsys):
+    """A size past int64, or sizes whose product is, passed the shape's parsing and ended
+    in a traceback from ``torch.randn`` making the first batch (exit 1). One size too large
+    is refused by the parser, a product too large like a shape the model cannot take."""
+    with pytest.raises(SystemExit) as exc:
+        verify.main(["verify_models:twice", "--input-shape", f"2,3,8,{2**63}"])
+    assert exc.value.code == 2
+    assert f"argument --input-shape: expected sizes up to 2**63 - 1, got '2,3,8,{2**63}'" in capsys.readouterr().err
+    shape = f"2,3,{2**31},{2**31}"
+    assert verify.main(["verify_models:twice", "--input-shape", shape]) == 2
+    err = capsys.readouterr().err
+    assert f"fails in one process on the whole batch (2 x --input-shape {shape}" in err, err
+    assert "Storage size calculation overflowed" in err and "Check --input-shape" in err, err
+
+
 def test_a_factory_or_module_that_raises_is_a_usage_error(tmp_path, capsys):
     """A factory that raises, or a model file that fails as it is imported, ended verify
     with the raw traceback and exit 1 (the status of a synchronization that is not exact);

@@ -212,8 +212,8 @@ def _check_runs_here(spec: VerifySpec) -> None:
             f"{type(exc).__name__}: {exc}. Check that the module imports and the factory runs without "
             "syncbn (call it in Python to see the traceback)"
         ) from exc
-    x = whole_batch(spec, 0)
-    try:
+    try:  # the batch too: a size torch cannot take (past int64) or allocate is --input-shape's
+        x = whole_batch(spec, 0)
         with torch.no_grad():
             model(x)
     except Exception as exc:
@@ -800,6 +800,8 @@ def _shape(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,32,32, got {text!r}")
     if len(shape) < 2 or any(v < 1 for v in shape):
         raise argparse.ArgumentTypeError(f"expected at least (N, C), all positive, got {text!r}")
+    if any(v > 2**63 - 1 for v in shape):  # what torch takes as a size
+        raise argparse.ArgumentTypeError(f"expected sizes up to 2**63 - 1, got {text!r}")
     return shape
 
 
