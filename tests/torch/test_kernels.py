@@ -283,10 +283,10 @@ def test_elu_kernels_keep_channels_whose_output_rounds_to_minus_alpha(triton_poo
     check_act_case(case, results)
 
 
-def overflow_job(hard: int, world: int = 2, activation: str = "leaky_relu"):
-    """SyncBatchNormAct(32) on the kernels: ``hard`` channels with w = 0 (the capacity is
-    32 // 16 = 2). Returns the name of the error raised by the end of the backward pass
-    (W = 1: no communication, the check still runs), or "ok"."""
+def overflow_job(hard: int, world: int = 2, activation: str = "leaky_relu", weight: float = 0.0):
+    """SyncBatchNormAct(32) on the kernels: ``hard`` channels with w = ``weight`` (the
+    capacity is 32 // 16 = 2). Returns the name of the error raised by the end of the
+    backward pass (W = 1: no communication, the check still runs) and its message, or "ok"."""
     import syncbn
     from syncbn.torch import fingerprint, stats
 
@@ -300,29 +300,42 @@ def overflow_job(hard: int, world: int = 2, activation: str = "leaky_relu"):
         if activation == "elu":  # saturated: exp(9 + ...) > 2**8
             layer.bias[:hard] = -9.0
         else:
-            layer.weight[:hard] = 0.0
+            layer.weight[:hard] = weight
     x = (torch.randn(2, 32, 3, 3) + 2).requires_grad_()
     try:
         with stats._forced_triton_path():
             layer(x).backward(torch.randn(2, 32, 3, 3))
     except Exception as exc:  # noqa: BLE001 - the test looks at it
         fingerprint.reset()
-        return type(exc).__name__
+        return type(exc).__name__, str(exc)
     return "ok"
+
+
+def _raised(results):
+    return [r if r == "ok" else r[0] for r in results if r is not None]
 
 
 def test_act_kernels_raise_when_hard_channels_overflow(triton_pool):
     """More hard channels than the kept buffer holds: the step's check raises on every
     rank (never a silently wrong gradient); as many as it holds: no error."""
-    assert triton_pool.run(overflow_job, 2)[:2] == ["ok", "ok"]
-    assert triton_pool.run(overflow_job, 3)[:2] == ["KeptChannelsOverflow"] * 2
-    assert triton_pool.run(overflow_job, 3, 1)[0] == "KeptChannelsOverflow"
-    assert triton_pool.run(overflow_job, 2, 1)[0] == "ok"
+    assert _raised(triton_pool.run(overflow_job, 2)) == ["ok", "ok"]
+    assert _raised(triton_pool.run(overflow_job, 3)) == ["KeptChannelsOverflow"] * 2
+    assert _raised(triton_pool.run(overflow_job, 3, 1)) == ["KeptChannelsOverflow"]
+    assert _raised(triton_pool.run(overflow_job, 2, 1)) == ["ok"]
+
+
+def test_nan_weights_overflow_with_a_message_that_names_them(triton_pool):
+    """A NaN weight makes its channel hard (its input cannot be recovered from the
+    output): more of them than the buffer holds raise, and the message says that NaN
+    counts, not only a weight too small."""
+    results = triton_pool.run(overflow_job, 3, 2, "leaky_relu", float("nan"))[:2]
+    assert [r[0] for r in results] == ["KeptChannelsOverflow"] * 2
+    assert all("a NaN weight or bias" in r[1] for r in results), results[0][1]
 
 
 def test_elu_kernels_raise_when_saturating_channels_overflow(triton_pool):
-    assert triton_pool.run(overflow_job, 2, 2, "elu")[:2] == ["ok", "ok"]
-    assert triton_pool.run(overflow_job, 3, 2, "elu")[:2] == ["KeptChannelsOverflow"] * 2
+    assert _raised(triton_pool.run(overflow_job, 2, 2, "elu")) == ["ok", "ok"]
+    assert _raised(triton_pool.run(overflow_job, 3, 2, "elu")) == ["KeptChannelsOverflow"] * 2
 
 
 def one_rank_overflow_job(outliers: int, input_grad: bool = True, empty_rank: bool = False):

@@ -532,7 +532,8 @@ def _triton_forward(ctx, x, weight, bias, running_mean, running_var, eps, moment
         where = " (on this rank or another of the process group, whose sums are in every rank's)" if late else ""
         ctx.overflow = KeptChannelsOverflow(
             f"SyncBatchNormAct({channels}): more channels than the {kept_cap} it can keep have a weight too small "
-            f"next to their bias ((|b| + tiny) / |w| > {budget:g}, w = 0 included)"
+            f"next to their bias ((|b| + tiny) / |w| > {budget:g}; w = 0, a NaN weight or bias and an infinite "
+            "bias included)"
             f"{' or saturate the ELU (exp(-z_min) / |w| > budget, or exp(-z_min) > 1 / (8 eps))' if elu else ''} for "
             f"their input to be recovered from the output{where}; this step's gradients are not exact. Use "
             "SyncBatchNorm followed by the activation for this layer (syncbn.revert_sync_batchnorm, or "
