@@ -1791,6 +1791,50 @@ def nnx_convert_reaches_every_container():
     return {"layers": len(layers), "tuple layer y": err}
 
 
+@check
+def convert_groups_need_axis_name():
+    """axis_index_groups passed to a conversion without axis_name (linen model and context
+    forms, nnx) raise ValueError naming axis_name, and the nnx model is left unchanged.
+    Before, the groups were dropped in silence: layers built with axis_name synchronized
+    over all 4 devices under pmap, not within the two groups asked for."""
+    import jax
+    import jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    import syncbn.flax as sf
+    import syncbn.flax.nnx as snnx
+
+    groups = [[0, 1], [2, 3]]
+    layer = nn.BatchNorm(use_running_average=False, axis_name=AXIS)
+    x = jnp.asarray(np.random.default_rng(29).standard_normal((DEVICES, 3, 2)) + np.arange(DEVICES)[:, None, None],
+                    jnp.float32)
+    variables = layer.init(jax.random.PRNGKey(0), x[0])
+
+    def grouped(model):  # what the groups ask for, for the message below
+        return jax.pmap(lambda x: model.apply(variables, x, mutable=["batch_stats"])[0], axis_name=AXIS)(x)
+
+    within = grouped(sf.convert(layer, axis_name=AXIS, axis_index_groups=groups))
+    everywhere = grouped(sf.convert(layer, axis_name=AXIS))
+    assert not np.allclose(within, everywhere, atol=1e-2), "the groups must change the statistics"
+
+    def raises(make, label):
+        try:
+            made = make()
+            if label == "context":
+                made.__enter__()
+        except ValueError as error:
+            assert "axis_index_groups" in str(error) and "axis_name" in str(error), (label, error)
+        else:
+            raise AssertionError(f"{label}: groups without axis_name were accepted (and ignored)")
+
+    raises(lambda: sf.convert(layer, axis_index_groups=groups), "linen model")
+    raises(lambda: sf.convert(axis_index_groups=groups), "context")
+    net = nnx.Sequential(nnx.BatchNorm(2, axis_name=AXIS, rngs=nnx.Rngs(0)))
+    raises(lambda: snnx.convert(net, axis_index_groups=groups), "nnx")
+    assert type(net.layers[0]) is nnx.BatchNorm and net.layers[0].axis_index_groups is None
+    return {}
+
+
 # ----------------------------------------------------------------------------- deployment (jax.export)
 
 

@@ -147,6 +147,18 @@ def _intercept(next_fun, args, kwargs, context):
     return next_fun(*args, **kwargs)
 
 
+def _settings(axis_name: Any, axis_index_groups: Any, who: str) -> _Settings:
+    """A conversion's settings; groups without ``axis_name`` are an error: each layer then
+    keeps its own axis and groups, so the groups given would be dropped in silence (and the
+    layers synchronize over every device of their axis, not within the groups)."""
+    if axis_name is None and axis_index_groups is not None:
+        raise ValueError(
+            f"{who}: axis_index_groups was given without axis_name; without axis_name every layer "
+            f"keeps its own axis_name and axis_index_groups, so these groups would be ignored. Pass "
+            f"the axis they divide as well: axis_name=..., axis_index_groups=....")
+    return _Settings(axis_name, freeze_groups(axis_index_groups))
+
+
 @contextlib.contextmanager
 def synchronizing(axis_name: Any = None, axis_index_groups: Any = None):
     """Context manager: every ``flax.linen.BatchNorm.__call__`` run inside it computes
@@ -166,7 +178,7 @@ def synchronizing(axis_name: Any = None, axis_index_groups: Any = None):
     Nested, the innermost conversion's settings apply. This is ``convert()`` without a
     model; :func:`convert` with the model is the recommended form.
     """
-    settings = _Settings(axis_name, freeze_groups(axis_index_groups))
+    settings = _settings(axis_name, axis_index_groups, "syncbn.flax.convert")
     with _SETTINGS(settings), nn.intercept_methods(_intercept):
         yield
 
@@ -287,7 +299,8 @@ def convert(module: Any = None, *, axis_name: Any = None, axis_index_groups: Any
     ``model`` (same call, methods and variable tree: variables of ``model.init`` work
     with it and back) except that each ``flax.linen.BatchNorm`` it calls computes exact
     statistics over the devices of ``axis_name`` (and ``axis_index_groups``); without
-    ``axis_name`` each layer keeps its own. Converting a converted module replaces its
+    ``axis_name`` each layer keeps its own (then ``axis_index_groups`` is a ``ValueError``:
+    it would be ignored). Converting a converted module replaces its
     settings. ``revert(convert(m))`` is ``m``.
 
     Without a module, ``with convert(axis_name=...):`` is a context manager
@@ -300,6 +313,7 @@ def convert(module: Any = None, *, axis_name: Any = None, axis_index_groups: Any
 
     For ``flax.nnx`` models use :func:`syncbn.flax.nnx.convert`.
     """
+    settings = _settings(axis_name, axis_index_groups, "syncbn.flax.convert")
     if module is None:
         return synchronizing(axis_name, axis_index_groups)
     if isinstance(module, Synchronized):
@@ -309,7 +323,7 @@ def convert(module: Any = None, *, axis_name: Any = None, axis_index_groups: Any
                 else " Pass axis_name and axis_index_groups by keyword.")
         raise TypeError(f"syncbn.flax.convert takes a flax.linen Module (or nothing, as a context manager), "
                         f"got {type(module).__name__}.{hint}")
-    return Synchronized(module, axis_name=axis_name, axis_index_groups=freeze_groups(axis_index_groups))
+    return Synchronized(module, axis_name=axis_name, axis_index_groups=settings.axis_index_groups)
 
 
 def revert(module: Any):
@@ -436,6 +450,7 @@ def nnx_convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
             layer.axis_name, layer.axis_index_groups = axis_name, axis_index_groups
         return layer
 
+    _settings(axis_name, axis_index_groups, "syncbn.flax.nnx.convert")
     _check_plain_layers(model, "before")
     model = _replace_layers(model, synchronized)
     _check_plain_layers(model, "after")

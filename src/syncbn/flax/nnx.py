@@ -29,7 +29,8 @@ def convert(model, *, axis_name: Any = None, axis_index_groups: Any = None):
     configuration and the very same ``scale``/``bias``/``mean``/``var`` Variables (their
     values, sharding and any optimizer state referring to them stay valid). With
     ``axis_name``, the converted layers (and any :class:`BatchNorm` already there)
-    synchronize over it and ``axis_index_groups``; otherwise each keeps its own.
+    synchronize over it and ``axis_index_groups``; otherwise each keeps its own (and
+    ``axis_index_groups`` alone is a ``ValueError``: it would be ignored).
     Returns ``model`` itself (or the new layer when ``model`` is itself a BatchNorm).
     ``revert(convert(m))`` restores every field of ``m``.
 
