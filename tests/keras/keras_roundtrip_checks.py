@@ -1509,6 +1509,29 @@ def converted_copy_is_not_compiled():
 
 
 @check
+def convert_refuses_what_is_no_keras_layer():
+    """``convert`` and ``revert`` of something that is no Keras layer or model (None, a
+    list of layers, a string) raise a ``TypeError`` naming what they were given: the
+    walk over the model's attributes ran first and raised Python's "vars() argument must
+    have __dict__ attribute", which said nothing of the mistake."""
+    import keras
+
+    from syncbn.keras import convert, revert
+
+    for swap in (convert, revert):
+        for value, kind in ((None, "NoneType"), ([keras.layers.BatchNormalization()], "list"), ("net", "str")):
+            try:
+                swap(value)
+            except TypeError as err:
+                message = str(err)
+                assert f"syncbn.keras.{swap.__name__}: expected a Keras model or layer" in message, message
+                assert kind in message, message
+            else:
+                raise AssertionError(f"{swap.__name__}({value!r}) raised nothing")
+    return {}
+
+
+@check
 def convert_warns_of_attributes_outside_the_config():
     """A custom layer's attribute set after construction (not in its config) cannot be
     copied from configs: ``convert`` warns, naming the layer and the attribute (as a copy

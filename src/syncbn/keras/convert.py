@@ -173,6 +173,9 @@ class _Swap:
     # ------------------------------------------------------------------ entry point
 
     def run(self, model):
+        if not isinstance(model, keras.layers.Layer):  # before the walk, which reads its attributes
+            raise TypeError(f"syncbn.keras.{self.verb}: expected a Keras model or layer, got "
+                            f"{type(model).__module__}.{type(model).__qualname__}")
         with self._keeping_ties(model):
             result = self.copy(model)
         self._pairs.append((model, result, None))
