@@ -1532,6 +1532,60 @@ def convert_refuses_what_is_no_keras_layer():
 
 
 @check
+def convert_finds_layers_in_nested_containers_and_sets():
+    """A batch norm layer that a custom layer or subclassed model holds in a set, or in
+    containers nested in each other (a list of dicts of tuples), is one Keras tracks
+    (its weights are the model's), and ``convert`` synchronizes it: the walk looked one
+    container deep and skipped sets, so the copy kept a plain BatchNormalization, which
+    trained on each replica's batch alone, with no warning. ``revert`` makes it plain
+    again; inference outputs are the original's exactly (the same weights, the same op)."""
+    import keras
+
+    from syncbn.keras import SyncBatchNormalization, convert, revert
+
+    class Nested(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.blocks = [{"a": (keras.layers.BatchNormalization(), keras.layers.Dense(4))}]
+            self.norms = {keras.layers.BatchNormalization(momentum=0.5)}
+
+        def call(self, x):
+            for norm in self.norms:
+                x = norm(x)
+            block = self.blocks[0]["a"]
+            return block[1](block[0](x))
+
+    class NestedModel(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.pairs = ((keras.layers.BatchNormalization(),),)
+
+        def call(self, x):
+            return self.pairs[0][0](x)
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(5, 4)).astype("float32")
+    inputs = keras.Input((4,))
+    functional = keras.Model(inputs, Nested()(inputs))
+    subclassed = NestedModel()
+    subclassed(x)
+    for model in (functional, subclassed):
+        randomize(model, rng)
+        norms = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+        synced = convert(model)
+        kinds = [type(layer) for layer in synced._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+        assert kinds == [SyncBatchNormalization] * len(norms), f"{model.name}: {kinds}"
+        back = revert(synced)
+        kinds = [type(layer) for layer in back._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+        assert kinds == [keras.layers.BatchNormalization] * len(norms), f"{model.name}: reverted {kinds}"
+        want = keras.ops.convert_to_numpy(model(x))
+        for copy in (synced, back):
+            err = nan_safe.max_abs_diff(keras.ops.convert_to_numpy(copy(x)), want)
+            assert err == 0.0, f"{model.name}: inference outputs differ by {err}"
+    return {}
+
+
+@check
 def convert_warns_of_attributes_outside_the_config():
     """A custom layer's attribute set after construction (not in its config) cannot be
     copied from configs: ``convert`` warns, naming the layer and the attribute (as a copy

@@ -35,7 +35,7 @@ def convert(model):
     :class:`SyncBatchNormalization`, which adds no state of its own). Every other
     layer is copied from its config and given the original's weights, and
     BatchNormalization layers held inside custom layers (as attributes, or in lists,
-    tuples, dicts) are replaced too. A bare BatchNormalization layer gives a
+    tuples, dicts, sets, at any depth) are replaced too. A bare BatchNormalization layer gives a
     SyncBatchNormalization; a built subclassed ``keras.Model`` is copied from its
     config, built on the original's input shape and given its weights. The original
     model is left untouched and shares nothing with the copy, whose outputs in
@@ -458,8 +458,8 @@ class _Swap:
 
     def swap_within(self, layer, seen):
         """Replace, in place, every ``source`` layer held by ``layer`` or by the layers it
-        holds (attributes, lists, tuples and dicts of them) with a swapped copy, and
-        every nested Sequential / Functional model with a copy.
+        holds (attributes, lists, tuples, dicts and sets of them, nested in each other)
+        with a swapped copy, and every nested Sequential / Functional model with a copy.
 
         The replacement takes the old layer's slot in Keras's layer tracking, so the
         order of ``layer.weights`` does not change, and a layer held in several places
@@ -507,21 +507,10 @@ class _Swap:
                         setattr(layer, name, new)
                     else:
                         object.__setattr__(layer, name, new)
-            elif isinstance(value, list):
-                for i, item in enumerate(value):
-                    if isinstance(item, keras.layers.Layer):
-                        new = replace(item)
-                        if new is not item:
-                            list.__setitem__(value, i, new)
-            elif isinstance(value, tuple) and any(isinstance(v, keras.layers.Layer) for v in value):
-                items = [replace(v) if isinstance(v, keras.layers.Layer) else v for v in value]
-                object.__setattr__(layer, name, type(value)(*items) if hasattr(value, "_fields") else type(value)(items))
-            elif isinstance(value, dict):
-                for key, item in list(value.items()):
-                    if isinstance(item, keras.layers.Layer):
-                        new = replace(item)
-                        if new is not item:
-                            dict.__setitem__(value, key, new)
+            elif isinstance(value, _CONTAINERS):
+                new = _replace_held(value, replace)
+                if new is not value:  # a tuple, made anew
+                    object.__setattr__(layer, name, new)
         self.retype_owner(layer, self.swaps > before)
 
     def retype_within(self, layer, seen):
@@ -540,10 +529,8 @@ class _Swap:
         before = self.swaps
         with self._inside(layer):
             for value in list(vars(layer).values()):
-                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-                for item in list(items):
-                    if isinstance(item, keras.layers.Layer):
-                        self.retype_within(item, seen)
+                for item in _layers_in(value):
+                    self.retype_within(item, seen)
         self.retype_owner(layer, self.swaps > before)
 
     @contextlib.contextmanager
@@ -1192,7 +1179,7 @@ def _held_in_several_places(model) -> set:
             if isinstance(value, keras.layers.Layer):
                 holders.setdefault(id(value), set()).add(id(layer))
                 visit(value)
-            elif isinstance(value, (list, tuple)):
+            elif isinstance(value, (list, tuple, set, frozenset)):
                 stack.extend(value)
             elif isinstance(value, dict):
                 stack.extend(value.values())
@@ -1313,6 +1300,64 @@ def _layers_by_path(root, name, layers):
     return found
 
 
+_CONTAINERS = (list, tuple, dict, set, frozenset)  # what may hold layers, at any depth
+
+
+def _layers_in(value):
+    """The layers that ``value`` is or holds through containers (:data:`_CONTAINERS`,
+    nested: a list of dicts of layers), not those inside the layers."""
+    found, stack, seen = [], [value], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, keras.layers.Layer):
+            found.append(value)
+        elif isinstance(value, _CONTAINERS) and id(value) not in seen:
+            seen.add(id(value))
+            items = list(value.values() if isinstance(value, dict) else value)
+            stack.extend(reversed(items))
+    return found
+
+
+def _replace_held(value, replace, seen=None):
+    """``value`` (a container, :data:`_CONTAINERS`) with each layer it holds, at any
+    depth, put through ``replace``: lists, dicts and sets changed in place (through the
+    plain container methods, as Keras's tracking versions of them would track the new
+    layer again), a tuple or frozenset that changed made anew and returned in its place."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return value
+    seen.add(id(value))
+
+    def one(item):
+        if isinstance(item, keras.layers.Layer):
+            return replace(item)
+        return _replace_held(item, replace, seen) if isinstance(item, _CONTAINERS) else item
+
+    if isinstance(value, list):
+        for i, item in enumerate(list(value)):
+            new = one(item)
+            if new is not item:
+                list.__setitem__(value, i, new)
+    elif isinstance(value, dict):
+        for key, item in list(value.items()):
+            new = one(item)
+            if new is not item:
+                dict.__setitem__(value, key, new)
+    elif isinstance(value, set):
+        for item in list(value):
+            new = one(item)
+            if new is not item:
+                set.discard(value, item)
+                set.add(value, new)
+    else:  # tuple (a named one too), frozenset
+        items = [one(item) for item in value]
+        if any(new is not item for new, item in zip(items, value)):
+            if hasattr(value, "_fields"):
+                return type(value)(*items)
+            return type(value)(items)
+    return value
+
+
 def _held(layer):
     """``(key, value)`` for each attribute of ``layer`` that is or may hold a layer (a
     layer, a list, tuple or dict), after a Sequential or Functional model's own layers
@@ -1331,7 +1376,7 @@ def _held(layer):
     # dependencies, ``_self_unconditional_...``) last
     for key in sorted(attributes, key=lambda key: key.startswith("_") + key.startswith("_self_unconditional")):
         value = attributes[key]
-        if isinstance(value, (keras.layers.Layer, list, tuple, dict)) and not any(value is s for s in stores):
+        if isinstance(value, (keras.layers.Layer, *_CONTAINERS)) and not any(value is s for s in stores):
             yield key, value
 
 
