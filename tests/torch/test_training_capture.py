@@ -1,5 +1,5 @@
 """Capturing a training-mode synchronized call: ``torch.jit.trace``, ``torch.export.export``
-(strict or not) and the ``torch.func`` transforms (grad, vmap, jacrev).
+(strict or not), the ``torch.func`` transforms (grad, vmap, jacrev) and forward-mode AD.
 
 Across ranks none of them can keep what the layer does (a trace cannot hold the
 all-reduce and would fix the Python-side values of the call as constants; the transforms
@@ -98,6 +98,11 @@ def capture(how, model, x):
         return torch.func.vmap(model)(x.unsqueeze(0).expand(2, *x.shape))
     if how == "jacrev":
         return torch.func.jacrev(model)(x)
+    if how == "forward_ad":
+        from torch.autograd import forward_ad
+
+        with forward_ad.dual_level():
+            return forward_ad.unpack_dual(model(forward_ad.make_dual(x, torch.ones_like(x)))).tangent
     raise AssertionError(how)
 
 
@@ -135,13 +140,15 @@ def refused_job(how, form):
 EXPORT_REFUSAL = "torch.export.export cannot capture this layer in training mode"
 WHAT = {"trace": "torch.jit.trace cannot record this layer in training mode",
         "export": EXPORT_REFUSAL, "export-strict": EXPORT_REFUSAL,
-        "grad": "torch.func transforms", "vmap": "torch.func transforms", "jacrev": "torch.func transforms"}
+        "grad": "torch.func transforms", "vmap": "torch.func transforms", "jacrev": "torch.func transforms",
+        "forward_ad": "forward-mode AD"}
 FIX = {"trace": "model.eval()", "export": "model.eval()", "export-strict": "model.eval()", "grad": "torch.autograd",
-       "vmap": "torch.autograd", "jacrev": "torch.autograd"}
+       "vmap": "torch.autograd", "jacrev": "torch.autograd", "forward_ad": "model.eval()"}
 CASES = [("trace", "SyncBatchNorm"), ("trace", "SyncBatchNormAct"), ("trace", "functional"),
          ("export", "SyncBatchNorm"), ("export-strict", "SyncBatchNorm"), ("export", "SyncBatchNormAct"),
          ("export", "functional")] + [(how, form) for how in ("grad", "vmap", "jacrev")
-                                      for form in ("SyncBatchNorm", "SyncBatchNormAct", "functional")]
+                                      for form in ("SyncBatchNorm", "SyncBatchNormAct", "functional")] + [
+             ("forward_ad", "SyncBatchNorm"), ("forward_ad", "functional")]
 # torch 2.4 (no torch.compiler.is_exporting): a training-mode batch norm exported in one
 # process, torch's BatchNorm2d too, fails its backward pass (tried on 2.4.1, strict or not)
 exported_bn_trains = pytest.mark.skipif(

@@ -14,7 +14,7 @@ from torch.fx import Proxy
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
-from .functional import check_input, recomputing, refuse_capture, sync_batch_norm
+from .functional import check_input, recomputing, refuse_capture, refuse_dual, sync_batch_norm
 
 __all__ = ["BatchNormNd", "SyncBatchNorm"]
 
@@ -204,6 +204,7 @@ class SyncBatchNorm(_SyncNormBase):
         syncing = bn_training and self.training and distributed.group_size(self.process_group) > 1
         if syncing:  # before the momentum count moves (sync_batch_norm asks again, for its callers)
             refuse_capture(type(self).__name__, self)
+            refuse_dual(type(self).__name__, self, input, self.weight, self.bias)
         # a checkpoint's recomputed forward: same normalization, no second count
         again = self.training and recomputing()
         momentum = self._momentum(as_tensor=syncing, count=not again)

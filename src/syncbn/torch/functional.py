@@ -48,8 +48,8 @@ from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
 __all__ = ["sync_batch_norm", "InputDtypeError", "InputTypeError", "check_input", "check_channels", "flat_spatial",
-           "unflat_spatial", "check_dtypes", "recomputing", "refuse_create_graph", "refuse_capture", "refuse_export",
-           "refuse_trace", "refuse_transform"]
+           "unflat_spatial", "check_dtypes", "recomputing", "refuse_create_graph", "refuse_capture", "refuse_dual",
+           "refuse_export", "refuse_trace", "refuse_transform"]
 
 
 def refuse_create_graph(name: str) -> None:
@@ -133,6 +133,25 @@ def refuse_transform(name: str, layer=None) -> None:
         "which torch.func takes with track_running_stats=False: "
         "torch.func.replace_all_batch_norm_modules_; in training they normalize each rank's batch "
         "alone)."
+    )
+
+
+def refuse_dual(name: str, layer, *tensors) -> None:
+    """Raise, naming the layer and the fix, when a training-mode call that synchronizes is
+    given a forward-mode dual tensor (``torch.autograd.forward_ad``): its autograd Function
+    has no ``jvp``, and torch would refuse it with its generic error only after the forward
+    all-reduce and the running buffers' update. Depends only on the call: every rank alike,
+    before any collective."""
+    from torch.autograd import forward_ad
+
+    if not any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        return
+    raise RuntimeError(
+        f"{_label(name, layer)}: forward-mode AD (torch.autograd.forward_ad) cannot run this layer in "
+        "training mode across ranks: its training call is a custom autograd Function (the "
+        "synchronized statistics and their backward). Put the layer in eval mode (model.eval()), or "
+        "call syncbn.revert_sync_batchnorm(model) first (torch's batch norms; in training they "
+        "normalize each rank's batch alone)."
     )
 
 
@@ -745,6 +764,7 @@ def sync_batch_norm(
     if eps <= 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     refuse_capture(label, layer)
+    refuse_dual(label, layer, input, weight, bias)
     check_dtypes(input, weight, bias, running_mean, running_var, label)
     return _synchronized(input, weight, bias, running_mean, running_var, eps, momentum, process_group, layer, name)
 
