@@ -148,7 +148,7 @@ CASES = [("trace", "SyncBatchNorm"), ("trace", "SyncBatchNormAct"), ("trace", "f
          ("export", "SyncBatchNorm"), ("export-strict", "SyncBatchNorm"), ("export", "SyncBatchNormAct"),
          ("export", "functional")] + [(how, form) for how in ("grad", "vmap", "jacrev")
                                       for form in ("SyncBatchNorm", "SyncBatchNormAct", "functional")] + [
-             ("forward_ad", "SyncBatchNorm"), ("forward_ad", "functional")]
+             ("forward_ad", "SyncBatchNorm"), ("forward_ad", "SyncBatchNormAct"), ("forward_ad", "functional")]
 # torch 2.4 (no torch.compiler.is_exporting): a training-mode batch norm exported in one
 # process, torch's BatchNorm2d too, fails its backward pass (tried on 2.4.1, strict or not)
 exported_bn_trains = pytest.mark.skipif(

@@ -138,8 +138,9 @@ try:
 except ImportError:  # torch runs without numpy; the fit check then uses torch ops
     _numpy = None
 from .batchnorm import _SyncNormBase
-from .functional import (KeptChannelsOverflow, _check_count, backward_payload, check_dtypes, flat_spatial,
-                         kept_capacity, overflow_elsewhere, refuse_capture, refuse_create_graph, unflat_spatial)
+from .functional import (KeptChannelsOverflow, _check_count, backward_payload, check_dtypes, flat_spatial, has_dual,
+                         kept_capacity, overflow_elsewhere, refuse_capture, refuse_create_graph, refuse_dual,
+                         unflat_spatial)
 from .recompute import recomputing
 
 __all__ = ["SyncBatchNormAct", "ACTIVATIONS", "KeptChannelsOverflow"]
@@ -765,14 +766,6 @@ def _grad_in_layout(dy: Tensor, y: Tensor):
     return laid_out, laid_out is not dy
 
 
-def _dual(*tensors) -> bool:
-    """Whether any of ``tensors`` is a forward-mode dual tensor, which the layer's own
-    autograd Functions cannot carry: refused across ranks, torch's ops in one process."""
-    from torch.autograd import forward_ad
-
-    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-
-
 def _eval_buffers(running_mean, running_var, needs_grad: bool):
     """The running buffers for an eval-mode call: copies when a gradient may be asked
     for, so a later training forward (which updates the buffers in place) cannot change
@@ -888,15 +881,9 @@ class SyncBatchNormAct(_SyncNormBase):
             syncing = False
         if syncing:  # before the momentum count moves: every rank alike, before any collective
             refuse_capture(type(self).__name__, self)  # export, jit.trace, torch.func
-            if _dual(input, self.weight, self.bias):
-                raise RuntimeError(
-                    "SyncBatchNormAct: torch.func transforms and forward-mode AD are not supported in "
-                    "training mode across ranks (the synchronized backward pass is a custom autograd "
-                    "Function). Put the layer in eval mode, or use syncbn.revert_sync_batchnorm(model) "
-                    "to get BatchNorm + activation modules for this computation."
-                )
+            refuse_dual(type(self).__name__, self, input, self.weight, self.bias)
         elif not local_plain and (distributed.transforming() or distributed.exporting() or distributed.tracing()
-                                  or _dual(input, self.weight, self.bias)):
+                                  or has_dual(input, self.weight, self.bias)):
             # one process under a capture that cannot hold the layer's own autograd Function
             # (a torch.func transform, forward-mode AD, torch.export) or would keep this
             # call's host-read choices as constants (torch.jit.trace: the kept channels, the

@@ -48,7 +48,7 @@ from . import distributed, fingerprint, stats
 from .recompute import recomputing
 
 __all__ = ["sync_batch_norm", "InputDtypeError", "InputTypeError", "check_input", "check_channels", "flat_spatial",
-           "unflat_spatial", "check_dtypes", "recomputing", "refuse_create_graph", "refuse_capture", "refuse_dual",
+           "unflat_spatial", "check_dtypes", "recomputing", "refuse_create_graph", "refuse_capture", "has_dual", "refuse_dual",
            "refuse_export", "refuse_trace", "refuse_transform"]
 
 
@@ -136,21 +136,26 @@ def refuse_transform(name: str, layer=None) -> None:
     )
 
 
-def refuse_dual(name: str, layer, *tensors) -> None:
-    """Raise, naming the layer and the fix, when a training-mode call that synchronizes is
-    given a forward-mode dual tensor (``torch.autograd.forward_ad``): its autograd Function
-    has no ``jvp``, and torch would refuse it with its generic error only after the forward
-    all-reduce and the running buffers' update. Depends only on the call: every rank alike,
-    before any collective."""
+def has_dual(*tensors) -> bool:
+    """Whether any of ``tensors`` is a forward-mode dual tensor (``torch.autograd.forward_ad``),
+    which the layers' own autograd Functions cannot carry (they have no ``jvp``)."""
     from torch.autograd import forward_ad
 
-    if not any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def refuse_dual(name: str, layer, *tensors) -> None:
+    """Raise, naming the layer and the fix, when a training-mode call that synchronizes is
+    given a forward-mode dual tensor (:func:`has_dual`): torch would refuse it with its
+    generic error only after the forward all-reduce and the running buffers' update.
+    Depends only on the call: every rank alike, before any collective."""
+    if not has_dual(*tensors):
         return
     raise RuntimeError(
         f"{_label(name, layer)}: forward-mode AD (torch.autograd.forward_ad) cannot run this layer in "
         "training mode across ranks: its training call is a custom autograd Function (the "
         "synchronized statistics and their backward). Put the layer in eval mode (model.eval()), or "
-        "call syncbn.revert_sync_batchnorm(model) first (torch's batch norms; in training they "
+        "call syncbn.revert_sync_batchnorm(model) first (torch's modules; in training they "
         "normalize each rank's batch alone)."
     )
 
