@@ -5,6 +5,7 @@ a pipe holds while nobody reads still finishes."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -20,6 +21,22 @@ CHECKS, check = registry()
 
 @check
 def quick():
+    return {"pid": __import__("os").getpid()}
+
+
+@check
+def held_a():  # runs until the test makes the file "a" beside this script
+    flag = __import__("pathlib").Path(__file__).with_name("a")
+    while not flag.exists():
+        time.sleep(0.05)
+    return {"pid": __import__("os").getpid()}
+
+
+@check
+def held_b():
+    flag = __import__("pathlib").Path(__file__).with_name("b")
+    while not flag.exists():
+        time.sleep(0.05)
     return {"pid": __import__("os").getpid()}
 
 
@@ -73,14 +90,32 @@ def suite(script, checks, timeout=120):
     return harness.Suite(script, checks, harness.worker_env("jax"), timeout)
 
 
+def release_when(flag, condition, within=60.0):
+    """Make the file ``flag`` once ``condition()`` holds (or after ``within`` seconds, so
+    that a suite held by it never outlives a failing test), from a thread."""
+    def run():
+        deadline = time.monotonic() + within
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flag.touch()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def test_the_next_planned_suite_starts_while_one_is_awaited(script, planned, monkeypatch):
+    """JOBS = 2: while the first suite is awaited the second starts beside it, and the
+    third waits while the second runs. The first two are held by files, so the order
+    does not depend on which worker a loaded machine finishes first (both quick, the
+    second could end before the first, and the third then rightly started)."""
     monkeypatch.setattr(harness, "JOBS", 2)
-    first, second, third = (suite(script, ["quick"]) for _ in range(3))
+    first, second, third = suite(script, ["held_a"]), suite(script, ["held_b"]), suite(script, ["quick"])
     planned.extend([first, second, third])
-    assert harness.assert_check(*first.results(), "quick")["pid"] > 0
+    release_when(script.with_name("a"), lambda: second.proc is not None)
+    assert harness.assert_check(*first.results(), "held_a")["pid"] > 0
     assert second.proc is not None, "the second suite did not start while the first was awaited"
-    assert third.proc is None, "more than JOBS suites started"
-    assert harness.assert_check(*second.results(), "quick")["pid"] > 0
+    assert second.running and third.proc is None, "more than JOBS suites started"
+    script.with_name("b").touch()
+    assert harness.assert_check(*second.results(), "held_b")["pid"] > 0
     assert harness.assert_check(*third.results(), "quick")["pid"] > 0
 
 
