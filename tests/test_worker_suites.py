@@ -24,20 +24,21 @@ def quick():
     return {"pid": __import__("os").getpid()}
 
 
-@check
-def held_a():  # runs until the test makes the file "a" beside this script
-    flag = __import__("pathlib").Path(__file__).with_name("a")
+def held(name):  # runs until the test makes the file ``name`` beside this script
+    flag = __import__("pathlib").Path(__file__).with_name(name)
     while not flag.exists():
         time.sleep(0.05)
     return {"pid": __import__("os").getpid()}
+
+
+@check
+def held_a():
+    return held("a")
 
 
 @check
 def held_b():
-    flag = __import__("pathlib").Path(__file__).with_name("b")
-    while not flag.exists():
-        time.sleep(0.05)
-    return {"pid": __import__("os").getpid()}
+    return held("b")
 
 
 @check
