@@ -224,6 +224,23 @@ def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
 
 
+def test_a_failed_peer_fails_the_command(tmp_path, capsys, monkeypatch):
+    """A peer that crashed left its figures out of the report, and the command still exited
+    0 as if every measurement had run; it exits 1, naming the failure, report written."""
+    from syncbn import cli
+
+    crashed = {"returncode": 1, "timed_out": False, "seconds": 0.5, "output_tail": "RuntimeError: boom",
+               "result": None}
+    monkeypatch.setattr(runner.plans, "installed", lambda peer: None)
+    monkeypatch.setattr(runner, "run_peer", lambda *a, **k: dict(crashed))
+    assert cli.main(["bench", "--quick", "--peers", "torch_bn", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "measurement(s) failed: torch W=None process" in captured.err, captured.err
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert "boom" in rep["errors"]["torch W=None process"]
+    assert "## Errors" in (tmp_path / "report.md").read_text()
+
+
 def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys, monkeypatch):
     """--out under a file ended in pathlib's FileNotFoundError traceback (exit 1); it is a
     usage error naming the option, before any peer runs."""

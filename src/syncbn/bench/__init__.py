@@ -44,6 +44,10 @@ process group; the bytes saved
 for backward and the peak memory of a demo-network step; the error of the merged
 variance far from zero. Writes report.json, report.md and PNG plots to --out and
 prints a summary with pass/fail lines for the targets.
+
+Exit status 0 when every measurement ran, whatever the targets' pass/fail lines say;
+1 when a peer process failed or timed out or a measurement raised (the report is
+still written, its errors listed in report.json and report.md); 2 for a usage error.
 """
 
 
@@ -78,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(plan, Path(args.out), say=say, command=command.strip())
     print(terminal(report))
     print(f"\nreport: {Path(args.out) / 'report.md'} (and report.json, plots)")
+    if report["errors"]:  # a measurement that failed is missing from the figures: not a success
+        print(f"syncbn bench: {len(report['errors'])} measurement(s) failed: {', '.join(report['errors'])} "
+              "(see the report's errors)", file=sys.stderr)
+        return 1
     return 0
 
 
