@@ -560,6 +560,34 @@ def formula_forward(layer, mask):
     return forward
 
 
+def closed_form_forward(layer, mask):
+    """``x -> y`` of the closed form that a training call of ``layer`` runs on one device
+    (:func:`syncbn.keras.moments.train_normalize`), with the layer's gamma and beta, in
+    ``x``'s own dtype. Keras normalizes float64 inputs in float32 on the JAX backend (its
+    ``result_type`` maps 64-bit dtypes to 32-bit ones there whatever ``jax_enable_x64``
+    says), so the layer, as Keras's, never computes in float64 there: this runs the same
+    closed form (and its JVP rule) in float64."""
+    from keras import ops
+
+    from syncbn.keras import moments
+
+    gamma, beta = (ops.convert_to_tensor(w.value) for w in (layer.gamma, layer.beta))
+
+    def forward(x):
+        kept = moments.element_mask(None if mask is None else ops.convert_to_tensor(mask), x)
+        return moments.train_normalize(x, layer.axis, kept, gamma, beta, layer.epsilon)[0]
+
+    return forward
+
+
+def layer_computes_float64():
+    """Whether Keras normalizes float64 inputs in float64 on this backend (TensorFlow):
+    on JAX and PyTorch its ``result_type`` maps them to float32."""
+    import keras
+
+    return keras.backend.result_type("float64", "float32") == "float64"
+
+
 @contextlib.contextmanager
 def float64_enabled():
     """JAX computes in float32 unless x64 is enabled: enabled for the block only."""
@@ -582,11 +610,14 @@ def second_order_gradients():
     every backend, eager and compiled, masked and not: it equals that of Keras's own
     layer (unmasked; masked, Keras adds 1e-7 to its counts) and that of the batch-norm
     formula differentiated by the backend's autodiff (in float64). Float64 layers and
-    inputs: where Keras computes them in float64 (TensorFlow; JAX with x64), the values
-    differ by rounding alone (about 1e-16 relative per operation, a few hundred
-    operations, amplified at most 1e3 by cancellation): 1e-9 of the largest value.
-    Where Keras normalizes float64 inputs in float32 (its PyTorch backend), 6e-8 per
-    operation, so 1e-4. A second derivative that misses a term is off by O(1)."""
+    inputs: where Keras computes them in float64 (TensorFlow), the values differ by
+    rounding alone (about 1e-16 relative per operation, a few hundred operations,
+    amplified at most 1e3 by cancellation): 1e-9 of the largest value. Where Keras
+    normalizes float64 inputs in float32 (its JAX backend, even with x64, and its PyTorch
+    backend), 6e-8 per operation, so 1e-4; on JAX the same closed form and JVP rule, run
+    in float64 outside the layer (:func:`closed_form_forward`), must then match the
+    formula to 1e-9. A second derivative that misses a term is off by O(1), one that
+    adds 1e-7 to a count (as Keras's layer does) by about 1e-7."""
     import keras
 
     from syncbn.keras import SyncBatchNormalization as Sync
@@ -594,7 +625,7 @@ def second_order_gradients():
     rng = np.random.default_rng(9)
     info = {}
     with float64_enabled():
-        rtol = 1e-9 if keras.backend.result_type("float64", "float32") == "float64" else 1e-4
+        rtol = 1e-9 if layer_computes_float64() else 1e-4
         info["rtol"] = rtol
         for shape, axis, mask_kind in (((6, 3), -1, None), ((5, 4, 3), 1, "random"), ((3, 4, 2, 3), -1, None),
                                        ((4, 5, 3), -1, "random")):
@@ -612,6 +643,11 @@ def second_order_gradients():
                 for who, want in wants.items():
                     assert np.max(np.abs(want)) > 1e-3, (what, "a penalty gradient this small proves nothing")
                     info[f"{what} vs {who}"] = assert_close(got, want, rtol, rtol * np.max(np.abs(want)), what)
+                if backend() == "jax" and not layer_computes_float64():
+                    want = wants["formula"]
+                    closed = penalty_gradient(closed_form_forward(layers[Sync], mask), x, jit)
+                    info[f"{what} float64 closed form vs formula"] = assert_close(
+                        closed, want, 1e-9, 1e-9 * np.max(np.abs(want)), f"{what} float64 closed form")
     return info
 
 
@@ -655,8 +691,9 @@ def forward_mode_derivatives():
     those of Keras's layer (unmasked; masked, Keras adds 1e-7 to its counts) and of the
     batch-norm formula differentiated by the backend (in float64). Tolerances as in
     :func:`second_order_gradients` (a first derivative and a Hessian-vector product take
-    fewer operations than a penalty's gradient); a derivative that misses a term (the
-    statistics' own) is off by O(1)."""
+    fewer operations than a penalty's gradient), on JAX with the float64 closed form and
+    JVP rule held to 1e-9 besides; a derivative that misses a term (the statistics' own)
+    is off by O(1)."""
     import keras
 
     from syncbn.keras import SyncBatchNormalization as Sync
@@ -664,7 +701,7 @@ def forward_mode_derivatives():
     rng = np.random.default_rng(13)
     info = {}
     with float64_enabled():
-        rtol = 1e-9 if keras.backend.result_type("float64", "float32") == "float64" else 1e-4
+        rtol = 1e-9 if layer_computes_float64() else 1e-4
         info["rtol"] = rtol
         for shape, axis, mask_kind in (((6, 3), -1, None), ((5, 4, 3), 1, "random"), ((4, 5, 3), -1, "random")):
             x = rng.standard_normal(shape) * 2 + 1
@@ -684,6 +721,11 @@ def forward_mode_derivatives():
                     for who, want in wants.items():
                         assert np.max(np.abs(want)) > 1e-3, (what, "a derivative this small proves nothing")
                         info[f"{what} vs {who}"] = assert_close(got, want, rtol, rtol * np.max(np.abs(want)), what)
+                    if backend() == "jax" and not layer_computes_float64():
+                        want = wants["formula"]
+                        closed = forward_derivative(closed_form_forward(layers[Sync], mask), x, t, jit, hvp)
+                        info[f"{what} float64 closed form vs formula"] = assert_close(
+                            closed, want, 1e-9, 1e-9 * np.max(np.abs(want)), f"{what} float64 closed form")
     return info
 
 
