@@ -122,6 +122,39 @@ def test_single_process_checkpoint_updates_once():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=key)
 
 
+def test_recomputation_as_context_fn_survives_a_second_backward():
+    """The docs' ``context_fn`` for torch's own non-reentrant checkpoint: a second
+    ``backward`` of a retained graph recomputes again and enters the same recompute
+    context again (a generator-based context manager failed there with an
+    AttributeError); every recomputation is marked, so the buffers move once."""
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from syncbn.torch.recompute import recomputation
+
+    def context_fn():
+        return contextlib.nullcontext(), recomputation()
+
+    torch.manual_seed(0)
+    plain = syncbn.convert_sync_batchnorm(Block(3, 4, momentum=None)).double()
+    torch.manual_seed(0)
+    ckpt = syncbn.convert_sync_batchnorm(Block(3, 4, momentum=None)).double()
+    x, _ = data(0, 0)
+    out = plain(x.clone().requires_grad_()).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    out = torch_checkpoint(ckpt, x.clone().requires_grad_(), use_reentrant=False, context_fn=context_fn).sum()
+    out.backward(retain_graph=True)
+    out.backward()  # recomputes a second time
+    assert int(ckpt.bn.num_batches_tracked) == 1
+    for key, ref in plain.state_dict().items():
+        # float64, one layer and one batch: rounding ~1e-15; bound 1e-12 leaves 100x or more
+        torch.testing.assert_close(ckpt.state_dict()[key], ref, rtol=1e-12, atol=1e-12, msg=key)
+    for (key, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=key)
+
+
 # ---- the function form: syncbn.functional.sync_batch_norm under checkpointing ---------
 # The modules above hand the kernels copies of their buffers on their own; the function
 # must do the same for the buffers a caller passes in (issue #20, item 1).

@@ -19,7 +19,6 @@ non-reentrant variant that is ``context_fn=lambda: (contextlib.nullcontext(), re
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 from . import distributed
@@ -40,14 +39,25 @@ def recomputing() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 
 
-@contextlib.contextmanager
-def recomputation():
-    """Mark the forwards run inside as a checkpoint's recomputation (see the module docs)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Recomputation:
+    """The context of :func:`recomputation`. Unlike a generator-based context manager it
+    can be entered again: torch's non-reentrant checkpoint enters the recompute context
+    that ``context_fn`` returned once per backward pass that needs the saved tensors (a
+    second ``backward(retain_graph=True)`` recomputes again)."""
+
+    def __enter__(self) -> None:
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> bool:
         _STATE.depth -= 1
+        return False
+
+
+def recomputation() -> _Recomputation:
+    """Mark the forwards run inside as a checkpoint's recomputation (see the module docs);
+    the context may be entered any number of times, also as ``context_fn``'s recompute
+    context."""
+    return _Recomputation()
 
 
 class _Marked:
