@@ -213,6 +213,31 @@ def test_keras_bar_judges_equal_topology():
     assert missing["passed"] is None and missing["figure"].startswith("not measured")
 
 
+@pytest.mark.parametrize("nan_first", [False, True])
+def test_a_nan_figure_fails_its_bar(nan_first):
+    """A NaN error or ratio fails its bar, wherever it sits among the figures: ``max`` and
+    ``min`` drop a NaN that is not first, and a NaN variance at W=4 (or a NaN large-plane
+    case, a NaN multi-worker point) passed behind a good first figure, printed as the worst."""
+    nan, key = math.nan, str(float(1e4))
+
+    def first(rows):
+        return rows[::-1] if nan_first else rows
+
+    naive = [{"impl": "naive_float32", "world": w, "errors": {key: 1e-2}} for w in (2, 4)]
+    ours = first([{"impl": "syncbn", "world": 2, "errors": {key: 1e-8}}, {"impl": "syncbn", "world": 4, "errors": {key: nan}}])
+    plane = {"shape": [1, 2, 4, 4], "offset": 1e4, "world": 2, "torch_bn_var": 1e-8, "torch_bn_out": 1e-7}
+    planes = first([dict(plane, syncbn_var=1e-8, syncbn_out=1e-7), dict(plane, syncbn_var=nan, syncbn_out=nan)])
+    mw = {"rows": first([{"ratio_syncbn_torch_to_keras_sync": 0.5}, {"ratio_syncbn_torch_to_keras_sync": nan}])}
+    keras = [{"impl": "syncbn_keras", "world": w, "point": i, f"ratio_to_{ref}": r}
+             for w, ref in ((1, "keras_bn"), (2, "keras_sync")) for i, r in enumerate(first([0.5, nan]))]
+    bars = report._bars({"rows": keras, "summary": []}, {"counted": []},
+                        {"rows": naive + ours, "large_planes": planes}, make_plan(quick=True), mw)
+    judged = {b["bar"].split(":")[0].split(" (")[0]: b for b in bars if b["passed"] is not None}
+    assert len(judged) == 5, list(judged)
+    for name, bar in judged.items():
+        assert bar["passed"] is False and "nan" in bar["figure"], (name, bar["figure"])
+
+
 def test_missing_peers_are_skipped_with_a_note(tmp_path, monkeypatch):
     monkeypatch.setattr(runner.plans, "installed", lambda peer: "nothing")
     notes = []
@@ -326,6 +351,39 @@ def cuda_counts_without_triton_job(spec):
         return cuda_counts_job(spec)
     finally:
         stats._TRITON_ENABLED = before
+
+
+def nan_on_rank_one_job(spec):
+    """``large_plane_errors`` on ranks 0 and 1 with a layer whose output is NaN on rank 1 only."""
+    import torch.distributed as dist
+
+    from syncbn.bench import numerics
+    from syncbn.torch import batchnorm
+    from workers import group_of
+
+    group = group_of(2)
+    if dist.get_rank() >= 2:
+        return None
+    real = batchnorm.SyncBatchNorm
+
+    class NanOnRankOne(real):
+        def forward(self, x):
+            y = super().forward(x)
+            return y * float("nan") if dist.get_rank() == 1 else y
+
+    batchnorm.SyncBatchNorm = NanOnRankOne
+    try:
+        return numerics.large_plane_errors(spec, 2, group)
+    finally:
+        batchnorm.SyncBatchNorm = real
+
+
+def test_large_planes_keep_a_nan_output_of_another_rank(pool):
+    """The output error is the largest over the ranks, reduced with MAX: gloo's MAX drops a
+    NaN that is not rank 0's, so a NaN output on rank 1 read as rank 0's small error."""
+    rows = pool.run(nan_on_rank_one_job, {"shapes": [[1, 2, 4, 4]], "offsets": [1.0]})[0]
+    assert len(rows) == 1 and rows[0]["syncbn_var"] < 1e-6
+    assert not math.isfinite(rows[0]["syncbn_out"]), rows[0]
 
 
 _COUNTS = {}

@@ -17,6 +17,7 @@ inside the functions that run in the torch peer.
 
 from __future__ import annotations
 
+import math
 from typing import List, Sequence
 
 import numpy as np
@@ -137,7 +138,8 @@ def large_plane_errors(spec: dict, world: int, group=None) -> list:
                 return ((merged - var).abs() / var).max().item(), (out.double() - xhat).abs().max().item()
 
             var_err, out_err = errors(y, x, layer.running_var)
-            worst = torch.tensor([out_err], dtype=torch.float64)
+            # a NaN error as inf: gloo's MAX drops a NaN unless rank 0 holds it
+            worst = torch.tensor([math.inf if math.isnan(out_err) else out_err], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
             parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
             dist.gather(x, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
