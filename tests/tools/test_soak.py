@@ -1,5 +1,5 @@
 """``syncbn soak`` in short (200 steps at W = 2, SyncBatchNorm and SyncBatchNormAct models
-under DDP): resident memory grows by less than 10 MB after the warm-up and the file
+under DDP): resident memory grows by less than 10 MiB after the warm-up and the file
 descriptors and threads stay as they were. The full run is ``syncbn soak`` (5,000 steps)."""
 
 import pytest
@@ -8,7 +8,7 @@ from syncbn.tools.soak import process_figures, soak, soak_reset
 
 
 def soak_on(pool, steps, every):
-    """A soak at W = 2 on the pool (warm-up 50 steps, 10 MB allowed), reset afterwards;
+    """A soak at W = 2 on the pool (warm-up 50 steps, 10 MiB allowed), reset afterwards;
     returns its result and the lines it said."""
     lines = []
     try:
@@ -61,6 +61,18 @@ def test_growth_up_to_the_allowance_passes(growth, allowed, passed):
     run = figures_from([[base, base], [base, base], [base, base + growth]])
     result = soak(run, 2, steps=30, every=10, warmup=10, max_growth_mb=allowed, say=lambda line: None)
     assert result["passed"] is passed, result["verdict"]
+
+
+def test_memory_is_printed_in_the_unit_it_is_counted_in():
+    """RSS and its growth are counted in 2**20 bytes (the allowance too): they were printed
+    as MB, 4.9% off the megabyte the label named."""
+    mib = 2**20
+    run = figures_from([[100 * mib] * 2, [100 * mib] * 2, [100 * mib, 103 * mib]])
+    lines = []
+    result = soak(run, 2, steps=30, every=10, warmup=10, max_growth_mb=1.0, say=lines.append)
+    assert "rank0 RSS MiB" in lines[1] and "MB" not in lines[1], lines[1]
+    assert lines[-2].startswith("rank 1: RSS growth after step 10: +3.00 MiB (last +3.00 MiB)"), lines[-2]
+    assert result["verdict"] == "FAIL: rank 1 grew 3.00 MiB", result["verdict"]
 
 
 def test_arguments_that_measure_nothing_are_usage_errors(capsys):

@@ -4,11 +4,11 @@ W local gloo processes (default 2) train two small converted models side by side
 DDP, one with :class:`syncbn.SyncBatchNorm` layers (``convert_sync_batchnorm``) and one
 with :class:`syncbn.SyncBatchNormAct` layers (``fuse_batchnorm_act``), for ``--steps``
 steps (default 5,000), with an eval pass now and then. Every ``--every`` steps each rank
-reports its resident memory, open file descriptors and threads (from ``/proc/self``);
-the run passes when, after the ``--warmup`` steps, no rank's resident memory grows by
-more than ``--max-growth-mb`` (10 MB) over its figure at the end of the warm-up, and its
-descriptor and thread counts never change. Not part of CI (CI runs 200 steps, see
-``tests/tools/test_soak.py``). Linux only (``/proc``).
+reports its resident memory (in MiB, 2**20 bytes), open file descriptors and threads
+(from ``/proc/self``); the run passes when, after the ``--warmup`` steps, no rank's
+resident memory grows by more than ``--max-growth-mb`` MiB (default 10) over its figure
+at the end of the warm-up, and its descriptor and thread counts never change. Not part
+of CI (CI runs 200 steps, see ``tests/tools/test_soak.py``). Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ side under DDP, one of syncbn.SyncBatchNorm layers and one of syncbn.SyncBatchNo
 layers, for --steps steps with an eval pass now and then. Every --every steps each rank
 reports its resident memory, open file descriptors and threads (from /proc/self). The run
 passes (exit 0) when, after the --warmup steps, no rank's resident memory grows by more than
---max-growth-mb over its figure at the end of the warm-up and its descriptor and thread
+--max-growth-mb MiB over its figure at the end of the warm-up and its descriptor and thread
 counts never change; else it fails (exit 1). Linux only."""
 
 __all__ = ["process_figures", "soak_chunk", "soak", "add_arguments", "run"]
@@ -126,7 +126,7 @@ def soak(run_job: Callable, world: int, steps: int, every: int, warmup: int, max
     done = 0
     start = time.monotonic()
     say(f"soak: W={world}, {steps} steps, SyncBatchNorm and SyncBatchNormAct models under DDP")
-    say(f"{'step':>6} {'seconds':>8} " + " ".join(f"{'rank' + str(r) + ' RSS MB':>13} {'fds':>4} {'thr':>4}"
+    say(f"{'step':>6} {'seconds':>8} " + " ".join(f"{'rank' + str(r) + ' RSS MiB':>13} {'fds':>4} {'thr':>4}"
                                             for r in range(world)))
     while done < steps:
         chunk = min(every, steps - done)
@@ -146,11 +146,11 @@ def soak(run_job: Callable, world: int, steps: int, every: int, warmup: int, max
         growth = max(s[rank]["rss"] for s in after) - base[rank]["rss"]
         fds = {s[rank]["fds"] for s in after}
         threads = {s[rank]["threads"] for s in after}
-        lines.append(f"rank {rank}: RSS growth after step {base[0]['step']}: {growth / 2**20:+.2f} MB "
-                     f"(last {(after[-1][rank]['rss'] - base[rank]['rss']) / 2**20:+.2f} MB); "
+        lines.append(f"rank {rank}: RSS growth after step {base[0]['step']}: {growth / 2**20:+.2f} MiB "
+                     f"(last {(after[-1][rank]['rss'] - base[rank]['rss']) / 2**20:+.2f} MiB); "
                      f"fds {sorted(fds)}; threads {sorted(threads)}")
         if growth > max_growth_mb * 2**20:
-            problems.append(f"rank {rank} grew {growth / 2**20:.2f} MB")
+            problems.append(f"rank {rank} grew {growth / 2**20:.2f} MiB")
         if len(fds) > 1 or len(threads) > 1:
             problems.append(f"rank {rank}'s descriptors or threads changed")
     passed = not problems and done >= steps
@@ -170,7 +170,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="local gloo processes (default 2)")
     parser.add_argument("--every", type=int, default=250, help="report every this many steps (default 250)")
     parser.add_argument("--warmup", type=int, default=500, help="steps before growth is counted (default 500)")
-    parser.add_argument("--max-growth-mb", type=float, default=10.0, help="allowed RSS growth per rank (default 10)")
+    parser.add_argument("--max-growth-mb", type=float, default=10.0, help="allowed RSS growth per rank, in MiB (default 10)")
     parser.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
 
 
