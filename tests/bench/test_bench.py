@@ -266,6 +266,33 @@ def test_a_failed_peer_fails_the_command(tmp_path, capsys, monkeypatch):
     assert "## Errors" in (tmp_path / "report.md").read_text()
 
 
+HALF_WRITTEN_PEER = """
+import argparse, os, signal
+parser = argparse.ArgumentParser()
+parser.add_argument("--plan")
+parser.add_argument("--out")
+with open(parser.parse_args().out, "w") as fh:
+    fh.write('{"peer": "torch", "floor": {"bytes_per')
+    fh.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_peer_killed_while_writing_its_result_is_an_error(tmp_path, monkeypatch):
+    """A peer killed halfway through writing its result file (a timeout's SIGKILL, the OOM
+    killer) ended the whole bench in a JSONDecodeError, with no report; its run is now an
+    error of the report, the other peers' figures kept."""
+    from syncbn.bench import peers
+
+    (tmp_path / "half_written_peer.py").write_text(HALF_WRITTEN_PEER)
+    outcome = peers.run_peer("half_written_peer", make_plan(quick=True), 60, env={"PYTHONPATH": str(tmp_path)})
+    assert outcome["result"] is None and "could not be read" in outcome["unreadable"], outcome
+    monkeypatch.setattr(runner.plans, "installed", lambda peer: None)
+    monkeypatch.setattr(runner, "run_peer", lambda *a, **k: dict(outcome, returncode=0))
+    rep = runner.run_bench(make_plan(quick=True, peers=["torch_bn"]), tmp_path / "out", say=lambda line: None)
+    assert "could not be read" in rep["errors"]["torch W=None process"], rep["errors"]
+
+
 def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys, monkeypatch):
     """--out under a file ended in pathlib's FileNotFoundError traceback (exit 1); it is a
     usage error naming the option, before any peer runs."""

@@ -120,7 +120,7 @@ def end_group(proc: subprocess.Popen, grace: float = END_GRACE_S) -> None:
 def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), env: Optional[dict] = None,
              log_path: Optional[Path] = None) -> dict:
     """Run ``python -m module --plan P --out R *args``; returns what happened and the
-    peer's result (None if it wrote none)."""
+    peer's result (None if it wrote none, or only part of one: ``unreadable`` says so)."""
     with tempfile.TemporaryDirectory(prefix="syncbn-bench-") as tmp:
         plan_path, out_path = Path(tmp) / "plan.json", Path(tmp) / "result.json"
         plan_path.write_text(json.dumps(plan))
@@ -144,7 +144,12 @@ def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), 
         finally:  # returned, timed out, raised, Ctrl-C, SIGTERM: the peer's group ends here
             end_group(proc)
         seconds = time.perf_counter() - start
-        result = json.loads(out_path.read_text()) if out_path.exists() else None
+        result, unreadable = None, None
+        if out_path.exists():
+            try:  # a peer ended while it wrote (a timeout's SIGKILL, the OOM killer) leaves half a file
+                result = json.loads(out_path.read_text())
+            except ValueError as exc:
+                unreadable = f"its result file could not be read ({exc}): its figures are lost"
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text(f"$ {' '.join(cmd[1:3])} {' '.join(map(str, args))}\n{output}")
@@ -153,6 +158,7 @@ def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), 
         "returncode": None if timed_out else proc.returncode,
         "timed_out": timed_out,
         "seconds": round(seconds, 2),
-        "output_tail": "\n".join(lines[-40:]),
+        "output_tail": "\n".join(lines[-40:] + ([unreadable] if unreadable else [])),
         "result": result,
+        "unreadable": unreadable,
     }

@@ -509,7 +509,7 @@ def build(plan: dict, raw: dict, meta: dict) -> dict:
             for section, text in (result.get("errors") or {}).items():
                 errors[f"{key} W={w} {section}"] = text
     for run in raw["runs"]:
-        if run["returncode"] != 0:
+        if run["returncode"] != 0 or run.get("unreadable"):
             name = f"{run['peer']} W={run['world']}"
             errors[f"{name} process"] = ("timed out" if run["timed_out"] else f"exit {run['returncode']}") + \
                 "\n" + run["output_tail"]

@@ -74,7 +74,7 @@ def _run_bench(plan: dict, out: Path, say: Callable[[str], None], command: Optio
         raw["runs"].append(outcome)
         if result is not None:
             raw["peers"].setdefault(key, {})[str(world)] = result
-        if outcome["returncode"] != 0:
+        if outcome["returncode"] != 0 or outcome.get("unreadable"):
             say(f"  {name}: {'timed out' if outcome['timed_out'] else 'exit ' + str(outcome['returncode'])}; "
                 f"see {out / 'logs' / (name + '.log')}")
         else:
