@@ -27,7 +27,7 @@ if kernels._triton_version() < kernels.MIN_TRITON:
     pytest.skip(f"Triton {kernels._triton_version()}'s interpreter cannot run the kernels (the [triton] extra "
                 "asks for >= 3.4)", allow_module_level=True)
 
-from bn_oracle import Case, check_case, run_case  # noqa: E402
+from bn_oracle import TOL, Case, check_case, run_case  # noqa: E402
 from test_batchnorm import GRID  # noqa: E402
 from triton_pool import interpreting_pool  # noqa: E402
 from test_batchnorm_act import ActCase, check_act_case, elu_edge_case, run_act_case  # noqa: E402
@@ -788,3 +788,49 @@ def test_a_nan_statistic_is_torchs_on_kernels(triton_pool, form, value):
     results = triton_pool.run(non_finite_kernels_job, form, value)[:2]
     assert all(all(n > 0 for n in r["launches"].values()) for r in results), [r["launches"] for r in results]
     check_non_finite(results, value)
+
+
+def overflow_kernels_job(form):
+    """test_functional's non_finite_job with 1e30 (channel 0's float32 variance overflows)
+    on the Triton path, and the same step in float64 (torch's batch norm on the concatenated
+    batch: there the variance, about 4e58, is finite)."""
+    from test_functional import non_finite_job
+
+    result = non_finite_kernels_job(form, 1e30)
+    if result is None:
+        return None
+    gen = torch.Generator().manual_seed(5)  # non_finite_job's batch
+    x = torch.randn(6, 3, 2, 2, generator=gen).double()
+    x[1, 0, 0, 1] = 1e30
+    dy = torch.randn(6, 3, 2, 2, generator=gen).double()
+    bn = nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.5, 0.7, -1.2]))
+        bn.bias.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+    chain = bn if form == "SyncBatchNorm" else nn.Sequential(bn, nn.LeakyReLU(0.1))
+    x.requires_grad_()
+    y = chain(x)
+    y.backward(dy)
+    rows = slice(3 * dist.get_rank(), 3 * dist.get_rank() + 3)
+    result["float64"] = (y.detach()[rows], x.grad[rows])
+    return result
+
+
+@pytest.mark.parametrize("form", ["SyncBatchNorm", "SyncBatchNormAct"])
+def test_a_variance_beyond_float32_is_normalized_exactly_on_kernels(triton_pool, form):
+    """Where a float32 channel's variance overflows float32 (a value of 1e30: about 4e58),
+    torch's batch norm and the torch-op paths normalize with invstd 0 (output the activated
+    bias, input gradient 0: test_functional). The kernels hold the statistics in float64,
+    so they normalize that channel as float64 does (docs/torch.md says so): output and
+    input gradient within float32's oracle tolerance of the float64 step, each channel's
+    error relative to its own largest value (channel 0's input gradients are about 1e-30,
+    which bn_oracle's floor of 1 would not see). The input-gradient kernel formed invstd^2,
+    which underflowed float32 there: those gradients were off by up to half their size."""
+    results = triton_pool.run(overflow_kernels_job, form)[:2]
+    assert all(all(n > 0 for n in r["launches"].values()) for r in results), [r["launches"] for r in results]
+    for r in results:
+        for ours, ref in zip(r["ours"], r["float64"]):
+            for c in range(3):
+                a, b = ours[:, c].double(), ref[:, c]
+                assert a.isfinite().all() and b.isfinite().all(), (c, a, b)
+                assert float((a - b).abs().max()) <= TOL["float32"] * float(b.abs().max()), (c, a, b)

@@ -691,10 +691,15 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
     a = w * invstd
     c64 = cols.to(tl.int64)
     dy = tl.load(dy_ptr + (n * d_n + s * d_s)[:, None] + (c64 * d_c)[None, :], mask=mask, other=0.0).to(ct)
-    if MODE == 0:  # dx = w invstd (dy - S1/N - (x - mean) invstd^2 S2/N), S2 = sum dy (x - mean)
+    # invstd^2 is never formed: where a float32 variance overflows (values beyond about 1e19;
+    # the float64 statistics keep invstd finite) it underflows to 0, and for a tiny variance
+    # with eps 0 it overflows. Each product below is O(1) or of dy's size instead
+    # (xhat = (x - mean) invstd, invstd S2/N = the mean of dy xhat), with the same number of
+    # roundings as invstd * invstd * S2/N * (x - mean).
+    if MODE == 0:  # dx = w invstd (dy - S1/N - xhat (invstd S2/N)), S2 = sum dy (x - mean)
         v = tl.load(src_ptr + (n * s_n + s * s_s)[:, None] + (c64 * s_c)[None, :], mask=mask, other=0.0).to(ct)
-        xmu = (v - hi[None, :]) - lo[None, :]
-        dx = a[None, :] * (dy - g1[None, :] - xmu * (invstd * invstd * g2)[None, :])
+        xhat = ((v - hi[None, :]) - lo[None, :]) * invstd[None, :]
+        dx = a[None, :] * (dy - g1[None, :] - xhat * (invstd * g2)[None, :])
     else:  # dx = w invstd (dz - S1/N) - invstd^3 (z - b) S2/N, S2 = sum dz (x - mean); kept: from x
         slope = tl.load(scalar_ptr + 1).to(ct)
         if HAS_B:
@@ -727,10 +732,10 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
                 dz = tl.where(kept[None, :], tl.where(z > 0, dy, dy * grow), dz)
         else:
             dz = tl.where(z > 0, dy, dy * slope)
-        # invstd^2 S2 = invstd sum dz xhat: grad_payload divided it by this invstd (one float64
+        # invstd S2 = sum dz xhat: grad_payload divided it by this invstd (one float64
         # rounding, 2^-53), the payload's own rounding to the compute dtype as before, and one
-        # more rounding here (u of the compute dtype) for the second factor invstd
-        dx = a[None, :] * (dz - g1[None, :]) - (invstd * invstd * g2)[None, :] * zb
+        # more rounding here (u of the compute dtype) multiplying it back; (z - b) invstd = w xhat
+        dx = a[None, :] * (dz - g1[None, :]) - (invstd * g2)[None, :] * (zb * invstd[None, :])
     tl.store(dx_ptr + (n * o_n + s * o_s)[:, None] + (c64 * o_c)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
