@@ -122,10 +122,12 @@ def _transcendental(constexprs):
     return constexprs.get("ACT") == 2 or constexprs.get("MODE") == 2 or constexprs.get("ELU", False)
 
 
+@pytest.mark.filterwarnings("error")
 def test_launchers_have_shapes_for_torch_compile():
     """Each launcher is a custom operator with a fake implementation: under fake tensors
     (what torch.compile traces with) every one gives its outputs' shapes and dtypes
-    without running a kernel."""
+    without running a kernel, and without a warning (the row layout read a fake tensor's
+    data pointer: torch warned every compiling user that this "will error")."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -247,9 +247,11 @@ def _strides(t: torch.Tensor):
     every dense layout: standard, channels-last, channels-last-3d)."""
     if t.dim() == 2:
         return t.stride(0), t.stride(1), 1
-    flat = t.flatten(2)
-    if flat.data_ptr() != t.data_ptr() and t.numel():  # pragma: no cover - callers pass dense tensors
+    # read from the strides, not data pointers: torch.compile's fake tensors have none (and
+    # warn that they will raise)
+    if not flattenable(t):  # pragma: no cover - callers pass dense tensors
         raise ValueError("syncbn kernels: the spatial dims must flatten without a copy")
+    flat = t.flatten(2)
     return flat.stride(0), flat.stride(1), flat.stride(2)
 
 
