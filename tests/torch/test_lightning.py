@@ -155,3 +155,25 @@ def test_revert_undoes_only_what_apply_did():
             assert model[i] is before[str(i)], i
         assert model[4].process_group is group
         assert list(model.state_dict()) == keys
+
+
+def test_revert_without_apply_changes_nothing():
+    """Lightning's teardown calls ``revert`` after every ``fit``, also one that failed
+    before the plugin's ``apply`` ran (the module's ``setup`` hook raised, say): then
+    nothing was converted and nothing goes back. ``revert`` took every syncbn layer of
+    the model for the plugin's work there and turned the model's own synchronized layers
+    into plain ones; likewise a second ``revert`` after one ``apply``."""
+    import syncbn
+    import syncbn.torch.lightning
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), syncbn.SyncBatchNorm(4), nn.BatchNorm2d(4))
+    own = model[1]
+    plugin = syncbn.torch.lightning.SyncBatchNorm()
+    assert plugin.revert(model) is model  # a fit that failed before apply
+    assert model[1] is own and type(model[2]) is nn.BatchNorm2d
+    model = plugin.revert(plugin.apply(model))  # a fit that ran
+    assert model[1] is own and type(model[2]) is nn.BatchNorm2d
+    model[2] = syncbn.convert_sync_batchnorm(model[2])  # the user's own conversion, after fit
+    converted = model[2]
+    assert plugin.revert(model) is model  # nothing applied since the last revert
+    assert model[1] is own and model[2] is converted

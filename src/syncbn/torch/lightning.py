@@ -52,8 +52,14 @@ class SyncBatchNorm(LayerSync):
         """Undo what :meth:`apply` did: the layers it converted go back (as
         :func:`syncbn.revert_sync_batchnorm` does); the synchronized layers the model
         held before (built with syncbn's layers, fused, converted by the user) stay, with
-        their process group and ``state_dict`` keys."""
-        return _revert(model, keep=list(getattr(self, "_kept", ())))
+        their process group and ``state_dict`` keys. Without an ``apply`` since the last
+        ``revert`` it changes nothing: Lightning's teardown also reverts a ``fit`` that
+        failed before the plugin's ``apply`` ran (in the module's ``setup`` or
+        ``configure_model`` hook), where nothing was converted."""
+        kept = self.__dict__.pop("_kept", None)
+        if kept is None:
+            return model
+        return _revert(model, keep=list(kept))
 
     def __getstate__(self):  # Lightning's spawn launcher pickles the trainer with its plugins
         state = dict(self.__dict__)
