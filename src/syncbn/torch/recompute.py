@@ -19,6 +19,7 @@ non-reentrant variant that is ``context_fn=lambda: (contextlib.nullcontext(), re
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from . import distributed
@@ -39,11 +40,12 @@ def recomputing() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 
 
-class _Recomputation:
-    """The context of :func:`recomputation`. Unlike a generator-based context manager it
-    can be entered again: torch's non-reentrant checkpoint enters the recompute context
-    that ``context_fn`` returned once per backward pass that needs the saved tensors (a
-    second ``backward(retain_graph=True)`` recomputes again)."""
+class _Recomputation(contextlib.ContextDecorator):
+    """The context of :func:`recomputation` (also a decorator, as before). Unlike a
+    generator-based context manager it can be entered again: torch's non-reentrant
+    checkpoint enters the recompute context that ``context_fn`` returned once per backward
+    pass that needs the saved tensors (a second ``backward(retain_graph=True)`` recomputes
+    again)."""
 
     def __enter__(self) -> None:
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
