@@ -469,6 +469,24 @@ def test_cuda_path_counts_meet_the_bars(pool):
     assert all(b["no_host_sync"] for b in rep["bars"].values()) or rep["syncbn"][0]["path"] != "triton"
 
 
+def test_the_cuda_bar_names_the_path_it_counted():
+    """Without Triton (or with SYNCBN_TRITON=0) the torch-op path is counted, and the bar said
+    "Triton's kernels interpreted" all the same; it names the path, and the table shows every
+    row the bar judges (the ELU rows were judged, not shown)."""
+    call = {"passes": 3, "launches": 20, "host_syncs": 0, "collectives": 1,
+            "per_step": {"passes": 0, "launches": 2, "host_syncs": 1}}
+    row = {"shape": [2, 4, 6, 5], "layout": "contiguous", "path": "torch ops", "forward": call, "backward": call}
+    rows = {key: [row] for key in ("syncbn", "syncbn_act", "syncbn_act_elu")}
+    counts = {**rows, "torch_syncbn": cuda_counts.TORCH_SYNCBN, "batchnorm2d": cuda_counts.BATCHNORM2D,
+              "bars": cuda_counts._bars(rows["syncbn"] + rows["syncbn_act"] + rows["syncbn_act_elu"])}
+    bar = report._cuda_bar(counts)
+    assert bar["passed"] is False and bar["figure"].startswith("path counted: torch ops;"), bar["figure"]
+    assert "Triton's kernels interpreted where Triton is installed, else the torch-op path" in bar["bar"]
+    table = report._cuda_count_rows({"cuda_counts": counts})
+    assert [r[0].split(" (")[0] for r in table[:3]] == [
+        "syncbn.SyncBatchNorm", "syncbn.SyncBatchNormAct", "syncbn.SyncBatchNormAct(elu)"], table
+
+
 def test_cuda_path_launches_meet_the_bars(pool):
     """On the Triton kernels (the path CUDA tensors take where Triton is installed), per
     layer call of SyncBatchNorm and SyncBatchNormAct: forward at most 5 launches besides

@@ -367,7 +367,8 @@ def _bars(timing: dict, comm: dict, num: dict, plan: dict, multiworker: Optional
     return bars
 
 
-CUDA_BAR = ("CUDA path (counted on the CPU with the CUDA choices forced, Triton's kernels interpreted), "
+CUDA_BAR = ("CUDA path (counted on the CPU with the CUDA choices forced: Triton's kernels interpreted where Triton "
+            "is installed, else the torch-op path), "
             "SyncBatchNorm and SyncBatchNormAct: forward <= 3 activation-sized passes and <= 5 kernel launches, "
             "backward <= 5 and <= 3, no host synchronisation in a layer call")
 
@@ -377,7 +378,11 @@ def _cuda_bar(counts: Optional[dict]) -> dict:
         return _bar(CUDA_BAR, None, "not measured")
     bars = counts["bars"]
     ok = all(b["passes_ok"] and b["launches_ok"] and b["no_host_sync"] for b in bars.values())
-    figure = "; ".join(f"{way}: {b['worst']['passes']} passes, {b['worst']['launches']} launches "
+    # the path counted is the one CUDA tensors take in this install: say which
+    paths = sorted({r.get("path", "torch ops") for key in ("syncbn", "syncbn_act", "syncbn_act_elu")
+                    for r in counts.get(key, [])})
+    figure = f"path counted: {', '.join(paths)}; " + "; ".join(
+        f"{way}: {b['worst']['passes']} passes, {b['worst']['launches']} launches "
                        f"(torch.nn.SyncBatchNorm {counts['torch_syncbn'][way]['launches']}), "
                        f"{b['worst']['host_syncs']} host syncs" for way, b in bars.items())
     return _bar(CUDA_BAR, ok, f"{figure}; {_per_step(counts)}")
@@ -399,7 +404,8 @@ def _cuda_count_rows(report: dict) -> List[List[str]]:
     cell = lambda c: f"{c['passes']} / {c['launches']} / {c['host_syncs']}"  # noqa: E731
     rows = [[f"syncbn.{label} {tuple(r['shape'])} {r['layout']}", f"counted ({r.get('path', 'torch ops')})",
              cell(r["forward"]), cell(r["backward"])]
-            for key, label in (("syncbn", "SyncBatchNorm"), ("syncbn_act", "SyncBatchNormAct"))
+            for key, label in (("syncbn", "SyncBatchNorm"), ("syncbn_act", "SyncBatchNormAct"),
+                               ("syncbn_act_elu", "SyncBatchNormAct(elu)"))  # every row the bar judges
             for r in counts.get(key, [])]
     for key, label in (("torch_syncbn", "torch.nn.SyncBatchNorm"), ("batchnorm2d", "torch.nn.BatchNorm2d")):
         rows.append([label, "read off the source", cell(counts[key]["forward"]), cell(counts[key]["backward"])])
@@ -733,8 +739,9 @@ def markdown(report: dict, images: List[str]) -> str:
         out += ["", "## CUDA path: passes, launches, host synchronisations per layer call", ""]
         out.append("syncbn's rows are counted: the layer runs on the CPU with its device-dependent choices forced to "
                    "the CUDA ones, every dispatched operation recorded with its shapes (report.json lists them), "
-                   "after one uncounted warm-up step; the three CUDA-only kernels run as CPU stand-ins recorded as "
-                   "one operation each. torch's rows are read "
+                   "after one uncounted warm-up step; on the Triton kernels (rows marked triton) Triton's interpreter "
+                   "runs them, each launch recorded as one operation; on the torch-op path the three CUDA-only "
+                   "kernels run as CPU stand-ins recorded as one operation each. torch's rows are read "
                    "off their sources (torch.nn.SyncBatchNorm refuses CPU tensors): "
                    f"{report['cuda_counts']['torch_syncbn']['source']}; under CUDA-graph capture it skips its "
                    f"rank mask: {report['cuda_counts']['torch_syncbn']['forward']['launches_under_graph_capture']} "
