@@ -1568,6 +1568,61 @@ def fingerprint_xla_step():
     return info
 
 
+class ApplyInCond:
+    """An optimizer's ``apply_gradients`` called inside a ``tf.cond`` branch of the step,
+    as hand-written gradient accumulation (``tf.cond(step % k == 0, apply, ...)``) or
+    Keras's ``LossScaleOptimizer`` calls its inner optimizer."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def build(self, var_list):
+        self.optimizer.build(var_list)
+
+    @property
+    def variables(self):
+        return self.optimizer.variables
+
+    def apply_gradients(self, grads_and_vars):
+        import tensorflow as tf
+
+        grads_and_vars = list(grads_and_vars)
+
+        def apply():
+            self.optimizer.apply_gradients(grads_and_vars)
+            return tf.constant(True)
+
+        tf.cond(tf.constant(True), apply, lambda: tf.constant(False))
+
+
+@check
+def fingerprint_xla_step_applied_in_a_cond():
+    """SkipMismatchedSteps applied inside a ``tf.cond`` branch of the XLA step (the
+    branch is a graph of its own, nested in the step's, where the verdicts were
+    written) still skips a disagreeing step: every weight, optimizer variable and
+    moving statistic keeps its bits (its gradients are NaN: applied, they would make
+    the weights NaN). An agreeing step trains as without the branch."""
+    import keras
+
+    from syncbn.core import fingerprint as lf
+    from syncbn.keras import SkipMismatchedSteps, mismatch
+
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    losses, before, after, _ = xla_run(None, ApplyInCond(SkipMismatchedSteps(sgd())), steps=2)
+    plain_losses, _, plain_after, _ = xla_run(None, sgd(), steps=2)
+    assert np.all(np.isfinite(losses)) and losses == plain_losses, (losses, plain_losses)
+    for got, ref in zip(after, plain_after):
+        assert np.array_equal(got, ref), (got, ref)
+
+    other = lf.Tag(lf.remember("some_other_layer", 3), 0)
+    losses, before, after, bn = xla_run(other, ApplyInCond(SkipMismatchedSteps(sgd())))
+    mismatch.forget(bn)  # its verdict is not for the checks that read every layer's
+    assert np.isnan(losses[0]), losses
+    changed = [i for i, (a, b) in enumerate(zip(after, before)) if not np.array_equal(a, b)]
+    assert not changed, f"state changed by a disagreeing XLA step applied in a tf.cond: {changed}"
+    return {"agree, losses": plain_losses, "disagree": "nothing changed"}
+
+
 def convnet_training_data(seed):
     """Inputs, labels and the initial weights of :func:`small_convnet` for the fit checks."""
     import keras

@@ -134,10 +134,19 @@ def write(layer, ok, sums, tag, world, rank, backward):
 def step_agrees():
     """A boolean tensor: no synchronized call traced so far in the current graph (this
     step, functions nested in it included) has a disagreement on record. True where
-    nothing was recorded."""
+    nothing was recorded. Called from a graph nested in the step (a ``tf.cond`` branch
+    around ``apply_gradients``, as a ``LossScaleOptimizer`` or gradient accumulation
+    makes, or a ``tf.function`` of its own), it reads the records of the graphs it is
+    nested in too, where the step's calls were traced."""
     import tensorflow as tf
 
-    records = _traced.get(tf.compat.v1.get_default_graph(), [])
+    records = []
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        records.extend(r for r in _traced.get(graph, []) if not any(r is seen for seen in records))
+        if not graph.building_function:
+            break
+        graph = graph.outer_graph
     if not records:
         return tf.constant(True)
     counts = [tf.convert_to_tensor(record)[COUNT] for record in records]
