@@ -190,6 +190,32 @@ def test_compare_fails_on_non_finite_values_on_either_side(side, bad):
     assert not _verdict(ours, reference)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_probe_that_diverges_allows_nothing(bad):
+    """A probe run (inputs a few ulp away) with a NaN or an infinity where the reference
+    is finite: no allowance can be measured, so the verdict is FAIL. Its spread was
+    infinite, and so the allowance: any difference passed."""
+    import torch
+
+    spec = verify.VerifySpec(target="m:f", input_shape=(2, 3), world_size=2, tolerance=1e-6)
+    good = torch.linspace(-1.0, 2.0, 8, dtype=torch.float64).view(4, 2)
+    wrong = good * 3  # far beyond any allowance of a settled probe
+    probe = good.clone()
+    probe[0, 1] = bad
+
+    def runs(p):
+        return {"outputs": {"bn": [[p]]}, "buffers": {"bn.running_var": p[0]}, "params": {"w": p[0]}}
+
+    ref = {**runs(good), "eps": {"bn": 1e-5}}
+    ranks = [{**runs(wrong[:2]), "buffers": {"bn.running_var": good[0]}, "params": {"w": good[0]}},
+             {**runs(wrong[2:]), "buffers": {"bn.running_var": good[0]}, "params": {"w": good[0]}}]
+    assert not verify.compare(spec, ranks, {"ref": ref, "probes": [ref]})[2]  # wrong, as a settled probe says
+    assert not verify.compare(spec, ranks, {"ref": ref, "probes": [{**runs(probe), "eps": {"bn": 1e-5}}]})[2]
+    where = verify._probes_not_finite({"probes": [ref, runs(probe)]})
+    assert where is not None and "'bn'" in where and "ulp away" in where
+    assert verify._probes_not_finite({"probes": [ref, ref]}) is None
+
+
 # ---- real models (tests/verify_zoo.py): PASS when converted, FAIL on real defects ---------
 
 def _verify(pool, target, dtype, shape=(1, 3, 32, 32), steps=2):

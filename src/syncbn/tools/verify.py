@@ -505,6 +505,7 @@ class _Quantity:
         self.diff = 0.0
         self.spread = 0.0
         self.mismatch = False
+        self.unmeasured = False  # a probe gave NaN or inf: no allowance can be measured
 
     def add(self, actual, expected, probes, scale) -> None:
         import torch
@@ -523,7 +524,11 @@ class _Quantity:
         self.diff = max(self.diff, float(((a - b).abs() / scale).max()))
         for probe in probes:
             if probe is not None and probe.shape == expected.shape:
-                self.spread = max(self.spread, float(((probe.double() - b).abs() / scale).max()))
+                p = probe.double()
+                if not torch.isfinite(p).all():  # an infinite spread would allow any difference
+                    self.unmeasured = True
+                    continue
+                self.spread = max(self.spread, float(((p - b).abs() / scale).max()))
 
     def relative(self) -> float:
         return float("inf") if self.mismatch else self.diff
@@ -535,7 +540,7 @@ class _Quantity:
     def ratio(self, tol: float) -> float:
         """Difference over what is allowed (<= 1 passes; with nothing allowed, only an
         exact match passes)."""
-        if self.mismatch:
+        if self.mismatch or self.unmeasured:
             return float("inf")
         allowed = _SPREAD_FACTOR * self.spread + tol
         if allowed <= 0.0:
@@ -592,6 +597,17 @@ def _not_finite(ref: dict, step: int = 0) -> Optional[str]:
         for key, value in ref[group].items():
             if value.is_floating_point() and not torch.isfinite(value).all():
                 return f"{key!r} after step {step + 1}"
+    return None
+
+
+def _probes_not_finite(runs: dict, step: int = 0) -> Optional[str]:
+    """Where a probe run of step ``step`` (inputs a few ulp away, or float64) gives NaN or
+    inf while the reference did not: rounding alone makes the model diverge here, so no
+    allowance can be measured (and none may be infinite)."""
+    for probe in runs["probes"]:
+        where = _not_finite(probe, step)
+        if where:
+            return f"{where}, in the run on inputs {_NUDGE_ULPS:g} ulp away or in float64"
     return None
 
 
@@ -878,7 +894,7 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
     for step in range(spec.steps):  # each step from the same state: rank 0's after the step before
         runs = _references(spec, _start_state(ranks[0]["initial"], ranks[0], step), step)
         random = random or _random_in_training(runs, step)
-        not_finite = not_finite or _not_finite(runs["ref"], step)
+        not_finite = not_finite or _not_finite(runs["ref"], step) or _probes_not_finite(runs, step)
         step_rows, step_params, step_ok = compare(spec, [_rank_view(r, step) for r in ranks], runs)
         rows, params = _merge(rows, params, step_rows, step_params, step)
         ok &= step_ok
