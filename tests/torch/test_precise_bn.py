@@ -187,6 +187,28 @@ def test_eval_model_recomputes_every_layer_and_stays_in_eval():
         syncbn.precise_bn(model, batches, num_batches=0)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_other_modules_keep_their_state_in_an_eval_model(training):
+    """What the docs say of the other modules: in an eval model only the BatchNorm buffers
+    change (an InstanceNorm's running statistics and spectral norm's vector stay bit for
+    bit); in a training model those run as in a training step and move."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Conv2d(3, 4, 1)),
+                          nn.InstanceNorm2d(4, track_running_stats=True), nn.BatchNorm2d(4))
+    model.train(training)
+    batches = [torch.randn(2, 3, 5, 5) + 3 for _ in range(3)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert syncbn.precise_bn(model, batches, num_batches=3, progress=False) == 3
+    after = model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert {"2.running_mean", "2.running_var"} <= moved
+    others = {k for k in moved if not k.startswith("2.")}
+    if training:
+        assert {"1.running_mean", "1.running_var"} <= others
+    else:
+        assert others == set(), others
+
+
 # ---- layers that saw at most one value per channel (issue #20, item 7) ---------------
 
 

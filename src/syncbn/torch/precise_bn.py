@@ -124,6 +124,10 @@ def precise_bn(
     like as at inference. Afterwards the weights are untouched and every module's
     ``training`` flag, each layer's ``momentum``, ``track_running_stats`` and
     ``num_batches_tracked`` are what they were. The passes run under ``torch.no_grad()``.
+    Other modules run in their own mode, so in a training-mode model one that keeps state
+    of its own moves it as in a training step (an ``InstanceNorm`` with
+    ``track_running_stats``, spectral norm's power iteration), as in fvcore's PreciseBN; in
+    an eval-mode model only the BatchNorm buffers change.
 
     Args:
         model: the model (not a ``torch.compile`` wrapper; a DDP wrapper is fine).
