@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from syncbn.tools.launch import WorkerError, WorkerPool, free_port, launched_by_torchrun
+from syncbn.tools.launch import WorkerError, WorkerPool, failure_report, free_port, launched_by_torchrun
 
 
 def whoami(offset):
@@ -260,3 +260,15 @@ def test_helpers():
         WorkerPool(0)
     with pytest.raises(ValueError, match="failure_grace"):
         WorkerPool(2, failure_grace=0)
+
+
+def test_the_rank_that_failed_first_is_the_one_shown():
+    """Errors in the order they arrived: the first one's traceback is shown, the later
+    failures and the ranks stopped while waiting are only named."""
+    errors = {2: (ValueError("cause"), "rank 2's traceback"), 0: (RuntimeError("peer gone"), "rank 0's traceback"),
+              1: (TimeoutError("stopped"), "rank 1 stopped")}
+    report = failure_report(errors, stuck=[1])
+    assert report.startswith("FAIL: the distributed run failed on rank 2 first; rank(s) [0] failed after it; "
+                             "rank(s) [1] were still waiting on the failed rank(s) and were stopped. Rank 2's error:")
+    assert "rank 2's traceback" in report and "rank 0's traceback" not in report and "rank 1 stopped" not in report
+    assert failure_report({1: (ValueError("alone"), "tb")}) == "FAIL: the distributed run failed on rank 1:\ntb"

@@ -75,6 +75,28 @@ def test_memory_is_printed_in_the_unit_it_is_counted_in():
     assert result["verdict"] == "FAIL: rank 1 grew 3.00 MiB", result["verdict"]
 
 
+@pytest.mark.parametrize("error", ["raised", "timeout"])
+def test_a_failed_rank_is_a_fail_line_not_a_traceback(error):
+    """A rank that raises (or a chunk past the timeouts) ends the soak with a FAIL line
+    naming the rank that failed first and its error, as ``syncbn verify`` shows it; the
+    pool's error went up as a traceback."""
+    from syncbn.tools.launch import WorkerError
+
+    def run(fn, world, chunk):
+        if error == "raised":
+            raise WorkerError({1: (MemoryError("out"), "rank 1's traceback"), 0: (RuntimeError("peer"), "tb 0")})
+        raise TimeoutError("rank(s) [0, 1] did not answer within 120 s")
+
+    lines = []
+    result = soak(run, 2, steps=30, every=10, warmup=10, max_growth_mb=1.0, say=lines.append)
+    assert result["passed"] is False and lines[-1] == result["verdict"]
+    if error == "raised":
+        assert result["verdict"].startswith("FAIL: the distributed run failed on rank 1 first; rank(s) [0] failed "
+                                             "after it. Rank 1's error:\nrank 1's traceback"), result["verdict"]
+    else:
+        assert result["verdict"].startswith("FAIL: rank(s) [0, 1] did not answer within 120 s"), result["verdict"]
+
+
 def test_arguments_that_measure_nothing_are_usage_errors(capsys):
     from syncbn.cli import main
 

@@ -315,18 +315,6 @@ def test_a_rank_that_fails_alone_is_reported_long_before_the_timeout():
     assert "pool shut down" not in out  # rank 0's stand-in error is not shown
 
 
-def test_the_rank_that_failed_first_is_the_one_shown():
-    """Errors in the order they arrived: the first one's traceback is shown, the later
-    failures and the ranks stopped while waiting are only named."""
-    errors = {2: (ValueError("cause"), "rank 2's traceback"), 0: (RuntimeError("peer gone"), "rank 0's traceback"),
-              1: (TimeoutError("stopped"), "rank 1 stopped")}
-    report = verify._failure_report(errors, stuck=[1])
-    assert report.startswith("FAIL: the distributed run failed on rank 2 first; rank(s) [0] failed after it; "
-                             "rank(s) [1] were still waiting on the failed rank(s) and were stopped. Rank 2's error:")
-    assert "rank 2's traceback" in report and "rank 0's traceback" not in report and "rank 1 stopped" not in report
-    assert verify._failure_report({1: (ValueError("alone"), "tb")}) == "FAIL: the distributed run failed on rank 1:\ntb"
-
-
 def test_a_model_that_gives_nan_is_not_called_random(pool):
     """NaN on both sides: a FAIL naming the NaN, not "random in training" (``torch.equal``
     of a NaN with itself is False)."""

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 __all__ = ["WorkerPool", "WorkerError", "FAILURE_GRACE_S", "MAX_TIMEOUT_S", "free_port", "launched_by_torchrun"]
 
@@ -75,6 +75,26 @@ class WorkerError(RuntimeError):
         for rank in self.stuck:
             lines.append(f"--- rank {rank} (waiting on the failed rank(s)) ---\n{errors[rank][1]}")
         super().__init__("\n".join(lines))
+
+
+def failure_report(errors: dict, stuck: Sequence[int] = ()) -> str:
+    """What to show when ranks raised: the traceback of the rank that failed first.
+
+    ``errors`` (rank -> (exception, traceback text), from
+    :class:`WorkerError`) is in the order the failures arrived;
+    ``stuck``: the ranks the pool stopped because they were still waiting, most likely in
+    a collective, on the failed ones. Their timeouts, like the errors of ranks that failed
+    later because a peer was gone, say nothing of the cause."""
+    first = next(rank for rank in errors if rank not in stuck)
+    later = sorted(rank for rank in errors if rank != first and rank not in stuck)
+    head = f"FAIL: the distributed run failed on rank {first}"
+    if later:
+        head += f" first; rank(s) {later} failed after it"
+    if stuck:
+        head += f"; rank(s) {sorted(stuck)} were still waiting on the failed rank(s) and were stopped"
+    if later or stuck:
+        head += f". Rank {first}'s error"
+    return f"{head}:\n{errors[first][1]}"
 
 
 def _end_with_parent() -> None:

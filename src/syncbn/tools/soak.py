@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Callable, Dict, List
 
+from .launch import WorkerError, failure_report
 from .usage import torch_missing
 
 HELP = "train small converted models for many steps on W local processes and check that memory, fds and threads stay flat"
@@ -132,7 +133,17 @@ def soak(run_job: Callable, world: int, steps: int, every: int, warmup: int, max
         chunk = min(every, steps - done)
         if done < warmup < done + chunk:  # a sample exactly at the end of the warm-up
             chunk = warmup - done
-        figures = [f for f in run_job(soak_chunk, world, chunk)[:world]]
+        try:
+            figures = [f for f in run_job(soak_chunk, world, chunk)[:world]]
+        except WorkerError as exc:  # a rank raised: its error, as verify shows it
+            verdict = failure_report(exc.errors, exc.stuck)
+        except TimeoutError as exc:
+            verdict = f"FAIL: {exc} (a collective or a step did not finish within the timeouts)"
+        else:
+            verdict = None
+        if verdict is not None:
+            say(verdict)
+            return {"samples": samples, "passed": False, "verdict": verdict, "summary": []}
         done = figures[0]["step"]
         samples.append(figures)
         say(f"{done:>6} {time.monotonic() - start:>8.1f} " + " ".join(

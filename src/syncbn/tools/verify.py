@@ -65,7 +65,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .launch import MAX_TIMEOUT_S
+from .launch import MAX_TIMEOUT_S, failure_report
 from .usage import UsageError, torch_missing
 
 __all__ = ["HELP", "VerifySpec", "LayerOrderError", "add_arguments", "run", "main", "verify"]
@@ -834,26 +834,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="process-group timeout: the longest any collective may wait (default 60); ranks left waiting on a rank that raised are stopped sooner")
 
 
-def _failure_report(errors: dict, stuck: Sequence[int] = ()) -> str:
-    """What to show when ranks raised: the traceback of the rank that failed first.
-
-    ``errors`` (rank -> (exception, traceback text), from
-    :class:`~syncbn.tools.launch.WorkerError`) is in the order the failures arrived;
-    ``stuck``: the ranks the pool stopped because they were still waiting, most likely in
-    a collective, on the failed ones. Their timeouts, like the errors of ranks that failed
-    later because a peer was gone, say nothing of the cause."""
-    first = next(rank for rank in errors if rank not in stuck)
-    later = sorted(rank for rank in errors if rank != first and rank not in stuck)
-    head = f"FAIL: the distributed run failed on rank {first}"
-    if later:
-        head += f" first; rank(s) {later} failed after it"
-    if stuck:
-        head += f"; rank(s) {sorted(stuck)} were still waiting on the failed rank(s) and were stopped"
-    if later or stuck:
-        head += f". Rank {first}'s error"
-    return f"{head}:\n{errors[first][1]}"
-
-
 def verify(spec: VerifySpec, out=None, pool=None) -> int:
     """Run the check and print the report to ``out``; returns the exit status.
 
@@ -884,7 +864,7 @@ def verify(spec: VerifySpec, out=None, pool=None) -> int:
             error = next(e for e, _ in exc.errors.values() if isinstance(e, (LayerOrderError, UsageError)))
             print(f"FAIL: {error}", file=out)
             return 2 if isinstance(error, UsageError) else 1
-        print(_failure_report(exc.errors, exc.stuck), file=out)
+        print(failure_report(exc.errors, exc.stuck), file=out)
         return 1
     except TimeoutError as exc:
         print(f"FAIL: {exc} (a collective or a step did not finish within the timeouts)", file=out)
