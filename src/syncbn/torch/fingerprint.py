@@ -73,6 +73,7 @@ troubleshooting section.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -176,6 +177,11 @@ def forward_tag(layer, num_features: int, group, name: Optional[str] = None, gra
     """The tag of a training forward call of ``layer`` (a module, or None with ``name``
     for the functional form) on ``group``; counts the call. ``graph``: the call records
     an autograd graph (see :func:`records_graph`), so its backward will communicate."""
+    if distributed.compiling():
+        # torch.compile(dynamic=True) gives the channel count as a symbolic int, which a
+        # constant-result function cannot take: operator.index makes it a plain int (the
+        # compiled code is then specialized to this channel count, guarded as for any shape)
+        num_features = operator.index(num_features)
     if layer is not None:
         ident = _layer_ident(layer) if not distributed.compiling() else _traced_ident(layer_name(layer), num_features)
     elif distributed.compiling():
