@@ -4,8 +4,7 @@ gradients, summed scale/bias gradients and running statistics match the float64 
 on the whole batch (float32 inputs with |mean| / std up to 100)."""
 
 import importlib.util
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,21 +22,34 @@ TOL = 2e-5  # float32 inputs, as tests/flax/flax_checks.py's TOL (error analysis
 
 
 def run_processes(tmp_path):
+    """Run the processes to the end (killed with their children after 240 s) and show
+    every failed one's output, in the order they ended: a failure that one process alone
+    sees is shown beside the other's timeout in the coordination service (only the first
+    process's output was, and a hung process's children were left running)."""
     port = harness.free_ports(1)[0]
     outs = [tmp_path / f"p{i}.npz" for i in range(PROCESSES)]
+    logs = [tmp_path / f"p{i}.log" for i in range(PROCESSES)]
     env = harness.worker_env("jax")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(PROCESSES), str(port), str(outs[i])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(PROCESSES)]
-    logs = []
+    procs = []
+    for i in range(PROCESSES):
+        with open(logs[i], "w") as log:  # a file: nobody reads while the processes run
+            procs.append(harness.start(WORKER.relative_to(WORKER.parent.parent), [i, PROCESSES, port, outs[i]], env,
+                                       stdout=log))
+    ended, deadline = [], time.monotonic() + 240
     try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
+        while len(ended) < PROCESSES and time.monotonic() < deadline:
+            ended += [i for i, proc in enumerate(procs) if i not in ended and proc.poll() is not None]
+            time.sleep(0.1)
     finally:
         for proc in procs:
-            proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+            if proc.poll() is None:
+                harness._kill_group(proc)
+            proc.wait()
+    order = ended + [i for i in range(PROCESSES) if i not in ended]
+    failed = [i for i in order if procs[i].returncode != 0]
+    assert not failed, "\n".join(
+        f"--- process {i}: {'killed after 240 s' if i not in ended else f'exit {procs[i].returncode}'} ---\n"
+        f"{logs[i].read_text()[-3000:]}" for i in failed)
     return [dict(np.load(out)) for out in outs]
 
 
