@@ -393,6 +393,32 @@ def check_mismatch(info, rank):
     info["mismatch"] = {"error": outcome, "moved": moved}
 
 
+def check_graph_mismatch(info, rank):
+    """Rank 0 makes a training call under torch.no_grad (it records no graph, so it will
+    make no backward all-reduce), rank 1 the same call with grad: both ranks raise
+    LayerMismatchError at that call, saying only one rank records it, and the moving mean
+    does not move. (Without the graph in the fingerprint both forwards agreed and rank
+    1's backward waited for an all-reduce that rank 0 never makes.)"""
+    import torch
+
+    from syncbn.keras import SyncBatchNormalization
+    from syncbn.core.fingerprint import LayerMismatchError
+
+    layer = SyncBatchNormalization(name="graphed")
+    layer.build((None, 3))
+    x = torch.arange(1.0, 13.0).reshape(4, 3).requires_grad_()
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                layer(x, training=True)
+        else:
+            layer(x, training=True)
+        outcome = "no error"
+    except LayerMismatchError as err:
+        outcome = str(err)
+    info["graph_mismatch"] = {"error": outcome, "moved": bool(np.any(layer.moving_mean.numpy() != 0))}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -455,6 +481,7 @@ def main():
             )
         check_second_order(info, args.rank, calls)
         check_mismatch(info, args.rank)
+        check_graph_mismatch(info, args.rank)
     finally:
         syncbn.torch.distributed.all_reduce_sum = original
         dist.destroy_process_group()

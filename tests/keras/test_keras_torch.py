@@ -96,6 +96,16 @@ def test_swapped_layers_raise_on_both_ranks(run):
         assert result["moved"] == [False, False], result
 
 
+def test_a_call_recorded_on_one_rank_only_raises_on_both(run):
+    """A training call under torch.no_grad on one rank beside a recorded one: the same
+    LayerMismatchError on both ranks at that call (the torch layers' fingerprint says
+    this too), the moving statistics unmoved; no backward left waiting."""
+    for rank in range(2):
+        result = json.loads((run / f"info-{rank}.json").read_text())["graph_mismatch"]
+        assert "records it for a backward pass" in result["error"] and "'graphed'" in result["error"], result
+        assert result["moved"] is False, result
+
+
 def test_convert_keeps_torch_modes(run):
     """A layer put in eval mode (torch's module mode) is in eval mode in the copy, and in
     the reverted copy; no warning names ``training`` or a NaN attribute the copy has alike."""

@@ -280,8 +280,15 @@ def torch_sync_moments(x, axis, mask, shift, name="SyncBatchNormalization"):
     (:func:`syncbn.torch.fingerprint.all_reduce_checked`; ``name`` identifies the layer), read
     at once (off the CPU too: one host read per call), so that a disagreement raises
     :class:`~syncbn.core.fingerprint.LayerMismatchError` on every rank before the
-    moving statistics move."""
-    return _torch_function().apply(x, axis, mask, shift, name)
+    moving statistics move. The fingerprint also says whether this call records an
+    autograd graph (grad mode on and ``x`` requiring grad), as the torch layers' does: a
+    rank whose call records none makes no backward all-reduce, so a training call under
+    ``torch.no_grad`` on one rank alone raises there instead of leaving the others' backward
+    waiting."""
+    import torch
+
+    graph = torch.is_grad_enabled() and x.requires_grad
+    return _torch_function().apply(x, axis, mask, shift, name, graph)
 
 
 _TORCH_FUNCTION = None
@@ -309,9 +316,9 @@ def _torch_function():
 
     class SyncMoments(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, axis, mask, shift, name):
+        def forward(ctx, x, axis, mask, shift, name, graph):
             dtype = str(stats.accumulate_dtype(x.device)).replace("torch.", "")
-            tag = fingerprint.forward_tag(None, shift.shape[0], None, name=name)
+            tag = fingerprint.forward_tag(None, shift.shape[0], None, name=name, graph=graph)
             count, mean, var = _forward(x, axis, mask, shift, dtype, checked(tag, False))
             ctx.save_for_backward(x, mean, count)
             ctx.axis, ctx.mask, ctx.tag = axis, mask, tag
@@ -334,7 +341,7 @@ def _torch_function():
             fingerprint.end_step(None)
             channels = mean.shape[0]
             dx = _input_grad(x, ctx.axis, ctx.mask, mean, count, summed[:channels], summed[channels:])
-            return dx, None, None, None, None
+            return dx, None, None, None, None, None
 
     _TORCH_FUNCTION = SyncMoments
     return SyncMoments
