@@ -8,9 +8,11 @@ hang the suite. They check the figures written to results.json, never timings.
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -427,3 +429,23 @@ def test_figures_that_are_not_finite_are_written_as_null(tmp_path, capsys):
     assert written["syncbn_vs_big_batch"] is None
     assert written["syncbn_matches_big_batch"] is False
     assert "WARNING: syncbn is inf away" in capsys.readouterr().out
+
+
+def test_results_say_which_run_wrote_them(tmp_path, capsys):
+    # results.json said "command": "syncbn demo" whatever the options and carried no date, so
+    # a file left in --out could not be told from another run's; now it holds the options that
+    # repeat the run and the time it was written
+    config = demo.config_from_args(cli.build_parser("demo").parse_args(
+        ["demo", "--framework", "flax", "--quick", "--steps", "2", "--out", str(tmp_path / "a b")]))
+    records = {"per_rank_bn": _record("per-device BN", 1.0), "syncbn": _record("syncbn", 0.0),
+               "big_batch": _record("one device", 0.0)}
+    samples = {"images": np.zeros((1, 1, 4, 4), np.float32), "truth": np.zeros((1, 4, 4), np.int64)}
+    report = demo_report.summarize(config, "a test", "none", records, samples, {"model": {"batchnorm_layers": 1}})
+    demo_report.write_report(report, config.out)
+    with open(tmp_path / "a b" / "results.json") as fh:
+        written = json.load(fh)
+    words = shlex.split(written["command"])
+    assert words[:2] == ["syncbn", "demo"], words
+    again = demo.config_from_args(cli.build_parser("demo").parse_args(words[1:]))
+    assert again == config
+    assert time.strptime(written["date"], "%Y-%m-%d %H:%M:%S UTC")

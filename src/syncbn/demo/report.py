@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -23,6 +24,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .._version import __version__
+from .config import to_argv
 from .digits import CLASS_NAMES, NUM_CLASSES, make_split
 
 __all__ = [
@@ -269,7 +271,10 @@ def summarize(config, setup: str, launcher: str, records: Dict[str, RunRecord], 
     sync_diff = runs["syncbn"]["param_rel_diff_vs_big_batch"]
     per_rank_diff = runs["per_rank_bn"]["param_rel_diff_vs_big_batch"]
     report = {
-        "command": "syncbn demo",
+        # the options that repeat this run (every setting spelled out) and when it ended, so a
+        # results.json left in --out says which run wrote it
+        "command": "syncbn demo " + " ".join(shlex.quote(a) for a in to_argv(config)),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "syncbn_version": __version__,
         "launcher": launcher,
         "setup": setup,
