@@ -694,8 +694,8 @@ def _input_grad_kernel(dy_ptr, src_ptr, stats_ptr, scalar_ptr, w_ptr, b_ptr, slo
     c64 = cols.to(tl.int64)
     dy = tl.load(dy_ptr + (n * d_n + s * d_s)[:, None] + (c64 * d_c)[None, :], mask=mask, other=0.0).to(ct)
     # invstd^2 is never formed: where a float32 variance overflows (values beyond about 1e19;
-    # the float64 statistics keep invstd finite) it underflows to 0, and for a tiny variance
-    # with eps 0 it overflows. Each product below is O(1) or of dy's size instead
+    # the float64 statistics keep invstd finite) it underflows to 0. Each product below is
+    # O(1) or of dy's size instead
     # (xhat = (x - mean) invstd, invstd S2/N = the mean of dy xhat), with the same number of
     # roundings as invstd * invstd * S2/N * (x - mean).
     if MODE == 0:  # dx = w invstd (dy - S1/N - xhat (invstd S2/N)), S2 = sum dy (x - mean)
