@@ -285,10 +285,9 @@ def torch_sync_moments(x, axis, mask, shift, name="SyncBatchNormalization"):
     rank whose call records none makes no backward all-reduce, so a training call under
     ``torch.no_grad`` on one rank alone raises there instead of leaving the others' backward
     waiting."""
-    import torch
+    from syncbn.torch import fingerprint
 
-    graph = torch.is_grad_enabled() and x.requires_grad
-    return _torch_function().apply(x, axis, mask, shift, name, graph)
+    return _torch_function().apply(x, axis, mask, shift, name, fingerprint.records_graph(x))
 
 
 _TORCH_FUNCTION = None
