@@ -1161,7 +1161,7 @@ class _Seen(dict):
 
 def _held_in_several_places(model) -> set:
     """The ids of the layers of ``model``'s tree that two or more layers hold (a graph
-    model among its layers, a layer in an attribute, a list, tuple or dict): a layer
+    model among its layers, a layer in an attribute or in containers of them): a layer
     shared, for weight tying say."""
     holders = {}
     done = set()
@@ -1170,19 +1170,10 @@ def _held_in_several_places(model) -> set:
         if id(layer) in done:
             return
         done.add(id(layer))
-        stack, seen = [v for _, v in _held(layer)], set()
-        while stack:
-            value = stack.pop()
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            if isinstance(value, keras.layers.Layer):
-                holders.setdefault(id(value), set()).add(id(layer))
-                visit(value)
-            elif isinstance(value, (list, tuple, set, frozenset)):
-                stack.extend(value)
-            elif isinstance(value, dict):
-                stack.extend(value.values())
+        for _, value in _held(layer):
+            for held in _layers_in(value):
+                holders.setdefault(id(held), set()).add(id(layer))
+                visit(held)
 
     visit(model)
     return {i for i, held_by in holders.items() if len(held_by) > 1}
