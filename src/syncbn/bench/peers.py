@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["run_peer", "end_group", "sigterm_exits", "limit_cpus", "cpu_count", "load_average", "ALLOCATOR_ENV"]
+__all__ = ["run_peer", "peer_failed", "end_group", "sigterm_exits", "limit_cpus", "cpu_count", "load_average", "ALLOCATOR_ENV"]
 
 # seconds a peer's group gets to end after SIGTERM before it is killed
 END_GRACE_S = 3.0
@@ -115,6 +115,12 @@ def end_group(proc: subprocess.Popen, grace: float = END_GRACE_S) -> None:
     finally:
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def peer_failed(outcome: dict) -> bool:
+    """Whether a peer run (what :func:`run_peer` returned) failed: it timed out, exited
+    with an error, or left a result file that could not be read."""
+    return outcome["returncode"] != 0 or bool(outcome.get("unreadable"))
 
 
 def run_peer(module: str, plan: dict, timeout: float, args: Sequence[str] = (), env: Optional[dict] = None,

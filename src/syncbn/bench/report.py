@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 from . import communication
 from .floor import PASSES, floor_seconds
 from .keras_multiworker import LABEL as MULTIWORKER_LABEL
+from .peers import peer_failed
 from .plan import ORDER, PEERS, PROBES
 from .timing import summarize
 
@@ -515,7 +516,7 @@ def build(plan: dict, raw: dict, meta: dict) -> dict:
             for section, text in (result.get("errors") or {}).items():
                 errors[f"{key} W={w} {section}"] = text
     for run in raw["runs"]:
-        if run["returncode"] != 0 or run.get("unreadable"):
+        if peer_failed(run):
             name = f"{run['peer']} W={run['world']}"
             errors[f"{name} process"] = ("timed out" if run["timed_out"] else f"exit {run['returncode']}") + \
                 "\n" + run["output_tail"]

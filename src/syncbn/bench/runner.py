@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import plan as plans
-from .peers import cpu_count, load_average, run_peer, sigterm_exits
+from .peers import cpu_count, load_average, peer_failed, run_peer, sigterm_exits
 
 __all__ = ["run_bench"]
 
@@ -74,7 +74,7 @@ def _run_bench(plan: dict, out: Path, say: Callable[[str], None], command: Optio
         raw["runs"].append(outcome)
         if result is not None:
             raw["peers"].setdefault(key, {})[str(world)] = result
-        if outcome["returncode"] != 0 or outcome.get("unreadable"):
+        if peer_failed(outcome):
             say(f"  {name}: {'timed out' if outcome['timed_out'] else 'exit ' + str(outcome['returncode'])}; "
                 f"see {out / 'logs' / (name + '.log')}")
         else:
