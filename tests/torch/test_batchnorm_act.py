@@ -350,21 +350,20 @@ def overflowed_variance_job(activation, param):
     overflows float32 to inf, so its invstd is 0. This rank's output, input gradient and
     local weight and bias gradients, beside torch's BatchNorm2d + activation on the
     concatenated batch (this rank's rows; torch's weight and bias gradients whole)."""
+    from test_functional import SPIKED_AFFINE, spiked_batch
+
     group = group_of(2)
     if not in_group(2):
         return None
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 3, 2, 2, generator=gen)
-    x[1, 0, 0, 1] = 1e30
-    dy = torch.randn(6, 3, 2, 2, generator=gen)
+    x, dy = spiked_batch(0, 1e30)
     rows = slice(3 * rank, 3 * rank + 3)
     layer = syncbn.SyncBatchNormAct(3, activation, param, process_group=group)
     bn = nn.BatchNorm2d(3)
     with torch.no_grad():
         for module in (layer, bn):
-            module.weight.copy_(torch.tensor([1.5, 0.7, -1.2]))
-            module.bias.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+            module.weight.copy_(torch.tensor(SPIKED_AFFINE[0]))
+            module.bias.copy_(torch.tensor(SPIKED_AFFINE[1]))
     out = {}
     for name, module, inp, grad in (("ours", layer, x[rows], dy[rows]),
                                     ("torch", nn.Sequential(bn, torch_activation(activation, param)), x, dy)):

@@ -651,6 +651,18 @@ def test_float16_running_var_beyond_float16_in_one_process(activation):
     check_half_buffers([(x.double(), ours.running_mean.double(), ours.running_var.double())])
 
 
+SPIKED_AFFINE = ([1.5, 0.7, -1.2], [-0.3, 0.2, 0.1])  # the weight and bias of the spiked-batch tests
+
+
+def spiked_batch(channel, value, dtype=torch.float32):
+    """The (6, 3, 2, 2) batch and output gradient of the spiked-batch tests (two ranks of 3
+    samples; seed 5), element (1, channel, 0, 1), on rank 0, set to ``value``."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 2, 2, generator=gen).to(dtype)
+    x[1, channel, 0, 1] = value
+    return x, torch.randn(6, 3, 2, 2, generator=gen).to(dtype)
+
+
 def non_finite_job(form, path, value):
     """W = 2, float32, (6, 3, 2, 2) split 3 + 3: rank 0's element (1, c, 0, 1) set to
     ``value`` (channel 0 for a finite value, 1e30: its variance overflows float32; channel
@@ -668,10 +680,7 @@ def non_finite_job(form, path, value):
     if not in_group(2):
         return None
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 3, 2, 2, generator=gen)
-    x[1, 0 if math.isfinite(value) else 1, 0, 1] = value
-    dy = torch.randn(6, 3, 2, 2, generator=gen)
+    x, dy = spiked_batch(0 if math.isfinite(value) else 1, value)
     rows = slice(3 * rank, 3 * rank + 3)
     if form == "SyncBatchNorm":
         layer, ref = syncbn.SyncBatchNorm(3, process_group=group), nn.BatchNorm2d(3)
@@ -681,8 +690,8 @@ def non_finite_job(form, path, value):
         chain = nn.Sequential(ref, nn.LeakyReLU(0.1))
     with torch.no_grad():
         for module in (layer, ref):
-            module.weight.copy_(torch.tensor([1.5, 0.7, -1.2]))
-            module.bias.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+            module.weight.copy_(torch.tensor(SPIKED_AFFINE[0]))
+            module.bias.copy_(torch.tensor(SPIKED_AFFINE[1]))
     forced = {"cuda": stats._forced_cuda_path, "triton": stats._forced_triton_path}.get(path)
     out = {}
     for name, module, inp, grad in (("ours", layer, x[rows], dy[rows]), ("torch", chain, x, dy)):

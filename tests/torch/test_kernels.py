@@ -794,19 +794,16 @@ def overflow_kernels_job(form):
     """test_functional's non_finite_job with 1e30 (channel 0's float32 variance overflows)
     on the Triton path, and the same step in float64 (torch's batch norm on the concatenated
     batch: there the variance, about 4e58, is finite)."""
-    from test_functional import non_finite_job
+    from test_functional import SPIKED_AFFINE, spiked_batch
 
     result = non_finite_kernels_job(form, 1e30)
     if result is None:
         return None
-    gen = torch.Generator().manual_seed(5)  # non_finite_job's batch
-    x = torch.randn(6, 3, 2, 2, generator=gen).double()
-    x[1, 0, 0, 1] = 1e30
-    dy = torch.randn(6, 3, 2, 2, generator=gen).double()
+    x, dy = spiked_batch(0, 1e30, torch.float64)  # non_finite_job's batch, in float64
     bn = nn.BatchNorm2d(3).double()
     with torch.no_grad():
-        bn.weight.copy_(torch.tensor([1.5, 0.7, -1.2]))
-        bn.bias.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+        bn.weight.copy_(torch.tensor(SPIKED_AFFINE[0]))
+        bn.bias.copy_(torch.tensor(SPIKED_AFFINE[1]))
     chain = bn if form == "SyncBatchNorm" else nn.Sequential(bn, nn.LeakyReLU(0.1))
     x.requires_grad_()
     y = chain(x)
